@@ -1,0 +1,179 @@
+"""Adaptive speculation: every step, pick the drafter and k (0 = plain step) that maximise expected
+tokens per second, from live estimates on this machine and pair (Leviathan et al. 2023, section 3.4):
+
+    E[tokens | k] = 1 + sum_{j=1..k} prod_{i<=j} alpha_i        (alpha_i: acceptance at draft position i)
+    cost(k)       = k * t_draft + T_verify(k + 1)
+    rate(k)       = E[tokens | k] / cost(k)        vs plain: 1 / T_verify(1)
+
+Estimates are decayed counts, so a change of workload is followed within a few dozen steps. A drafter
+that loses is not used, but is probed now and then so it can win back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+DECAY = 0.9  # weight kept by old observations at each new one (~10-step memory)
+PRIOR_WEIGHT = 2.0
+PRIOR_ALPHA = {"lookup": 0.5, "draft": 0.6}
+PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimistic: gets tried, then learnt)
+PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
+
+
+@dataclass
+class DrafterEstimate:
+    acc: list[float] = field(default_factory=list)  # decayed accepted counts per position
+    tried: list[float] = field(default_factory=list)  # decayed tried counts per position
+    t_token: float | None = None  # seconds per drafted token (EMA)
+    prior_alpha: float = 0.5
+
+    def alpha(self, i: int) -> float:
+        a = self.acc[i] if i < len(self.acc) else 0.0
+        d = self.tried[i] if i < len(self.tried) else 0.0
+        return (a + self.prior_alpha * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
+
+    def observe(self, n_drafted: int, n_accepted: int, t_draft: float) -> None:
+        # position i was tried when drafted and every earlier draft was accepted
+        last = min(n_accepted, n_drafted - 1)
+        while len(self.tried) <= last:
+            self.tried.append(0.0)
+            self.acc.append(0.0)
+        for i in range(last + 1):
+            self.tried[i] = self.tried[i] * DECAY + 1.0
+            self.acc[i] = self.acc[i] * DECAY + (1.0 if i < n_accepted else 0.0)
+        per = t_draft / max(n_drafted, 1)
+        self.t_token = per if self.t_token is None else 0.8 * self.t_token + 0.2 * per
+
+
+@dataclass
+class VerifyCurve:
+    t: dict[int, float] = field(default_factory=dict)  # batch size -> seconds (EMA)
+
+    def observe(self, b: int, seconds: float) -> None:
+        old = self.t.get(b)
+        self.t[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def cost(self, b: int) -> float | None:
+        t1 = self.t.get(1)
+        if b in self.t:
+            return self.t[b]
+        if t1 is None:
+            return None
+        # nearest measured smaller batch, extended by the prior slope
+        below = [x for x in self.t if x < b]
+        base = max(below)
+        return self.t[base] + t1 * PRIOR_VERIFY_SLOPE * (b - base)
+
+
+def expected_tokens(alphas: Sequence[float]) -> float:
+    e, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        e += run
+    return e
+
+
+def best_k(est: DrafterEstimate, curve: VerifyCurve, k_max: int, t_draft_token: float) -> tuple[int, float]:
+    """(k, expected tokens/s) maximising E[tokens|k] / cost(k) over k in 1..k_max."""
+    best = (0, 0.0)
+    e, run = 1.0, 1.0
+    for k in range(1, k_max + 1):
+        run *= est.alpha(k - 1)
+        e += run
+        c = curve.cost(k + 1)
+        if c is None or c <= 0:
+            break
+        rate = e / (k * t_draft_token + c)
+        if rate > best[1]:
+            best = (k, rate)
+    return best
+
+
+class AdaptivePolicy:
+    """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
+
+    def __init__(self, drafters: dict, k_max: int, state: dict | None = None) -> None:
+        self.drafters = drafters
+        self.k_max = max(1, k_max)
+        st = state if state is not None else {}
+        st.setdefault("curve", VerifyCurve())
+        st.setdefault("est", {})
+        for name in drafters:
+            st["est"].setdefault(name, DrafterEstimate(prior_alpha=PRIOR_ALPHA.get(name, 0.5)))
+        self.state = st
+        self.curve: VerifyCurve = st["curve"]
+        self.est: dict[str, DrafterEstimate] = st["est"]
+        self.step = 0
+        self.since_used = {name: 0 for name in drafters}
+        self.last_choice = ("none", 0, 0.0)
+
+    def _plain_rate(self) -> float | None:
+        t1 = self.curve.t.get(1)
+        return 1.0 / t1 if t1 else None
+
+    def choose(self, context: Sequence[int]):
+        self.step += 1
+        plain = self._plain_rate()
+        if plain is None:  # measure one plain step first: every estimate is relative to it
+            self.last_choice = ("none", 0, 1.0)
+            return None, 0
+        options = []
+        for name, drafter in self.drafters.items():
+            est = self.est[name]
+            if name == "lookup":
+                proposal, _ = drafter.match(context, self.k_max)
+                if not proposal:
+                    continue  # no match: lookup has nothing to offer this step
+                t_tok = est.t_token or 0.0
+                k_cap = len(proposal)
+            else:
+                t_tok = est.t_token if est.t_token is not None else 0.5 * (1.0 / plain)
+                k_cap = self.k_max
+            k, rate = best_k(est, self.curve, min(self.k_max, k_cap), t_tok)
+            if k:
+                options.append((rate, name, k))
+        options.sort(reverse=True)
+        if options and options[0][0] > plain:
+            rate, name, k = options[0]
+            self.last_choice = (name, k, rate / plain)
+            return self.drafters[name], k
+        # speculation does not pay right now; probe a drafter that has not run for a while
+        for name in self.drafters:
+            if self.since_used[name] >= PROBE_EVERY:
+                opts = [o for o in options if o[1] == name]
+                k = opts[0][2] if opts else (2 if name == "draft" else 0)
+                if k:
+                    self.since_used[name] = 0
+                    self.last_choice = (name, k, opts[0][0] / plain if opts else 0.0)
+                    return self.drafters[name], k
+        self.last_choice = ("none", 0, 1.0)
+        return None, 0
+
+    def observe(self, drafter, k, n_drafted, n_accepted, t_draft, t_verify) -> None:
+        self.curve.observe(n_drafted + 1, t_verify)
+        for name in self.drafters:
+            self.since_used[name] += 1
+        if drafter is not None and n_drafted:
+            self.since_used[drafter.name] = 0
+            self.est[drafter.name].observe(n_drafted, n_accepted, t_draft)
+
+    def estimates(self) -> dict[str, tuple[int, float]]:
+        """Per drafter: (best k, estimated speedup vs plain) from the current estimates."""
+        plain = self._plain_rate()
+        out = {}
+        if not plain:
+            return out
+        for name, est in self.est.items():
+            if name not in self.drafters:
+                continue
+            t_tok = est.t_token if est.t_token is not None else (0.0 if name == "lookup" else 0.5 / plain)
+            k, rate = best_k(est, self.curve, self.k_max, t_tok)
+            out[name] = (k, rate / plain)
+        return out
+
+    def reason(self) -> str:
+        name, k, _ = self.last_choice
+        parts = ", ".join(f"{n} {s:.2f}x@k={k_}" for n, (k_, s) in self.estimates().items())
+        head = f"auto -> {name}" + (f" k={k}" if k else "")
+        return f"{head} ({parts})" if parts else head

@@ -1,0 +1,351 @@
+"""The decoder: plain, draft-model and prompt-lookup speculative decoding over one target model.
+
+Invariant between steps: the target's KV cache holds every context token but the last one (the
+"pending" token the target chose and we already emitted). A step decodes [pending, d1..dk] in ONE
+batch with logits at every row, verifies the drafts, and removes the rejected rows from the cache.
+"""
+
+from __future__ import annotations
+
+import codecs
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from .compat import check_pair
+from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
+from .errors import ContextOverflowError, UsageError
+from .sampling import SamplingParams, probs, sample
+from .stats import Stats
+from .verify import greedy_verify, one_hot, speculative_sampling
+
+METHODS = ("auto", "draft", "lookup", "none")
+MAX_K = 64
+
+
+@dataclass
+class GenConfig:
+    method: str = "auto"
+    k: int = 4  # draft tokens per step (the most the controller may use in auto)
+    max_tokens: int = 256
+    stop: Sequence[str] = ()
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    p_min: float = 0.75
+    lookup_min: int = 2
+    lookup_max: int = 4
+    adaptive: bool | None = None  # None: adaptive in auto, fixed k otherwise
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if not isinstance(self.k, int) or self.k < 0 or self.k > MAX_K:
+            raise UsageError(f"draft tokens (-k) must be between 0 and {MAX_K}, got {self.k}")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise UsageError(f"max tokens must be >= 1, got {self.max_tokens}")
+        if not (0.0 <= self.p_min <= 1.0):
+            raise UsageError(f"p-min must be in [0, 1], got {self.p_min}")
+        if self.lookup_min < 1 or self.lookup_max < self.lookup_min:
+            raise UsageError(f"need 1 <= lookup-min <= lookup-max, got {self.lookup_min} and {self.lookup_max}")
+
+
+@dataclass
+class Piece:
+    """Streamed text for one emitted token. `text` may be '' while a UTF-8 character is incomplete."""
+
+    text: str
+    token: int
+    drafted: bool  # True: an accepted draft token; False: the target's own choice
+
+
+@dataclass
+class Finished:
+    text: str
+    tokens: list[int]
+    finish_reason: str  # "stop" | "length" | "cancelled"
+    stats: Stats
+
+
+class TextAssembler:
+    """Bytes in, text out: whole UTF-8 characters only, and text that might start a stop string is held
+    back until it is known not to."""
+
+    def __init__(self, stops: Sequence[str] = ()) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
+        self._pending = ""
+        self._stops = [s for s in stops if s]
+        self.text = ""  # everything released so far
+
+    def push(self, data: bytes) -> tuple[str, bool]:
+        self._pending += self._dec.decode(data)
+        if self._stops:
+            hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
+            if hits:
+                out = self._pending[: min(hits)]
+                self._pending = ""
+                self.text += out
+                return out, True
+            hold = 0
+            for s in self._stops:
+                for n in range(min(len(s) - 1, len(self._pending)), hold, -1):
+                    if self._pending.endswith(s[:n]):
+                        hold = n
+                        break
+            out = self._pending[: len(self._pending) - hold]
+            self._pending = self._pending[len(self._pending) - hold :]
+        else:
+            out, self._pending = self._pending, ""
+        self.text += out
+        return out, False
+
+    def flush(self) -> str:
+        out = self._pending + self._dec.decode(b"", final=True)
+        self._pending = ""
+        self.text += out
+        return out
+
+
+class FixedPolicy:
+    """Same drafter and k every step."""
+
+    def __init__(self, drafter: Drafter | None, k: int) -> None:
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+
+    def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]:
+        return self.drafter, self.k
+
+    def observe(self, drafter, k, n_drafted, n_accepted, t_draft, t_verify) -> None:
+        pass
+
+    def reason(self) -> str:
+        return ""
+
+
+class Engine:
+    def __init__(self, target, draft=None, *, draft_name: str | None = None) -> None:
+        self.target = target
+        self.draft = draft
+        self.draft_name = draft_name or (draft.name if draft is not None else None)
+        self._lookup: PromptLookupDrafter | None = None
+        self._draft_drafter: DraftModelDrafter | None = None
+        self.controller_state = None  # adaptive controller memory across generations
+        if draft is not None:
+            check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+            if draft.n_ctx < target.n_ctx:
+                raise UsageError(f"draft context ({draft.n_ctx}) is smaller than the target's ({target.n_ctx})")
+
+    @classmethod
+    def load(
+        cls,
+        target_path,
+        draft_path=None,
+        *,
+        n_ctx: int = 4096,
+        gpu_layers: int = 0,
+        draft_gpu_layers: int = 0,
+        threads: int | None = None,
+    ) -> "Engine":
+        from .backend import Model
+
+        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads)
+        draft = None
+        try:
+            if draft_path is not None:
+                draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=draft_gpu_layers, n_threads=threads)
+            return cls(target, draft)
+        except Exception:
+            if draft is not None:
+                draft.close()
+            target.close()
+            raise
+
+    def close(self) -> None:
+        self.target.close()
+        if self.draft is not None:
+            self.draft.close()
+
+    # --------------------------------------------------------------- prompts
+    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
+        text = self.target.apply_chat_template(messages, add_assistant=True)
+        if text is None:  # no (supported) template: a plain transcript
+            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+        return self.target.tokenize(text, add_special=True, parse_special=True)
+
+    def raw_prompt(self, text: str) -> list[int]:
+        return self.target.tokenize(text, add_special=True, parse_special=False)
+
+    # ------------------------------------------------------------- drafters
+    def lookup_drafter(self, cfg: GenConfig) -> PromptLookupDrafter:
+        d = self._lookup
+        if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
+            d = self._lookup = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
+        return d
+
+    def draft_drafter(self, cfg: GenConfig) -> DraftModelDrafter | None:
+        if self.draft is None:
+            return None
+        if self._draft_drafter is None:
+            self._draft_drafter = DraftModelDrafter(self.draft, self.target.n_vocab, cfg.p_min)
+        self._draft_drafter.p_min = cfg.p_min
+        return self._draft_drafter
+
+    def resolve_method(self, cfg: GenConfig) -> str:
+        if cfg.method == "draft" and self.draft is None:
+            raise UsageError("--method draft needs a draft model (-d PATH or a pair with a draft)")
+        if cfg.method == "auto":
+            return "auto"
+        return cfg.method
+
+    def make_policy(self, cfg: GenConfig):
+        method = self.resolve_method(cfg)
+        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
+        if method == "none" or cfg.k == 0:
+            return FixedPolicy(None, 0), "none"
+        if adaptive:
+            from .controller import AdaptivePolicy
+
+            drafters = {}
+            if method in ("auto", "lookup"):
+                drafters["lookup"] = self.lookup_drafter(cfg)
+            if method in ("auto", "draft") and self.draft is not None:
+                drafters["draft"] = self.draft_drafter(cfg)
+            if self.controller_state is None:
+                self.controller_state = {}
+            return AdaptivePolicy(drafters, cfg.k, self.controller_state), method
+        if method == "auto":
+            method = "draft" if self.draft is not None else "lookup"
+        drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)
+        return FixedPolicy(drafter, cfg.k), method
+
+    # ------------------------------------------------------------- decoding
+    def generate(
+        self,
+        prompt_tokens: Sequence[int],
+        cfg: GenConfig | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[Piece | Finished]:
+        """Stream Pieces, then one Finished. Output equals plain decoding of the target (token for token
+        at temperature 0; in distribution above 0)."""
+        cfg = cfg or GenConfig()
+        target = self.target
+        sp = cfg.sampling
+        rng = np.random.default_rng(sp.seed)
+        policy, method = self.make_policy(cfg)
+        stats = Stats(method=method)
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise UsageError("empty prompt")
+        stats.prompt_tokens = len(prompt)
+        if len(prompt) >= target.n_ctx:
+            raise ContextOverflowError(
+                f"prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
+                f"use -c {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt"
+            )
+        t0 = time.perf_counter()
+        logits = target.sync(prompt)
+        stats.cached_prompt_tokens = target.reused
+        for d in _drafters_of(policy):
+            d.begin(prompt)
+        stats.prompt_s = time.perf_counter() - t0
+
+        text = TextAssembler(cfg.stop)
+        out_tokens: list[int] = []
+        context = prompt  # grows; the drafters see it, the last element is pending
+        finish = None
+
+        def emit(token: int, drafted: bool):
+            piece, stopped = text.push(target.piece(token))
+            out_tokens.append(token)
+            stats.completion_tokens += 1
+            return Piece(piece, token, drafted), stopped
+
+        # first token from the prompt's last row
+        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), rng)
+        stats.ttft_s = time.perf_counter() - t0
+        if target.is_eog(first):
+            finish = "stop"
+        else:
+            ev, stopped = emit(first, False)
+            context.append(first)
+            yield ev
+            if stopped:
+                finish = "stop"
+        try:
+            while finish is None:
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+                remaining = cfg.max_tokens - stats.completion_tokens
+                room = target.n_ctx - len(target.tokens) - 1  # tokens the cache can still take after pending
+                if remaining <= 0 or room < 0:
+                    finish = "length"
+                    break
+                drafter, k = policy.choose(context)
+                k = max(0, min(k, remaining - 1, room))
+                td = time.perf_counter()
+                proposal = drafter.propose(context, k, sp, rng) if (drafter is not None and k > 0) else Proposal()
+                tv = time.perf_counter()
+                gamma = len(proposal.tokens)
+                base = len(target.tokens)
+                rows = target.decode([context[-1], *proposal.tokens], "all")
+                if sp.greedy:
+                    n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
+                else:
+                    p = np.stack([probs(r, sp) for r in rows])
+                    q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)
+                    n_acc, nxt = speculative_sampling(proposal.tokens, q, p, rng)
+                target.truncate(base + 1 + n_acc)
+                te = time.perf_counter()
+                stats.draft_s += tv - td
+                stats.verify_s += te - tv
+                stats.record_step(gamma, n_acc)
+                if drafter is not None and gamma:
+                    stats.method_used[drafter.name] += 1
+                else:
+                    stats.method_used["none"] += 1
+                stats.k_used[k if drafter is not None else 0] += 1
+                policy.observe(drafter, k, gamma, n_acc, tv - td, te - tv)
+                new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
+                for tok, drafted in new:
+                    if target.is_eog(tok):
+                        finish = "stop"
+                        break
+                    if stats.completion_tokens >= cfg.max_tokens:
+                        finish = "length"
+                        break
+                    ev, stopped = emit(tok, drafted)
+                    context.append(tok)
+                    yield ev
+                    if stopped:
+                        finish = "stop"
+                        break
+        finally:
+            stats.elapsed_s = time.perf_counter() - t0
+            stats.reason = policy.reason()
+        tail = text.flush()
+        if tail:
+            yield Piece(tail, -1, False)
+        yield Finished(text.text, out_tokens, finish, stats)
+
+    def complete(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None) -> Finished:
+        result = None
+        for ev in self.generate(prompt_tokens, cfg):
+            if isinstance(ev, Finished):
+                result = ev
+        return result
+
+
+def _drafters_of(policy) -> list[Drafter]:
+    if hasattr(policy, "drafters"):
+        return list(policy.drafters.values())
+    return [policy.drafter] if getattr(policy, "drafter", None) is not None else []
+
+
+def _fit_ctx(n: int) -> int:
+    c = 512
+    while c < n:
+        c *= 2
+    return c

@@ -1,0 +1,31 @@
+"""Domain errors. The CLI turns these into one `error:` line and an exit code; nothing else catches them."""
+
+
+class LocalspecError(Exception):
+    """Base class: a problem the user can act on. Message is one line."""
+
+    exit_code = 1
+
+
+class UsageError(LocalspecError):
+    exit_code = 2
+
+
+class ModelLoadError(LocalspecError):
+    pass
+
+
+class IncompatibleDraftError(LocalspecError):
+    pass
+
+
+class ContextOverflowError(LocalspecError):
+    pass
+
+
+class DecodeError(LocalspecError):
+    pass
+
+
+class DownloadError(LocalspecError):
+    pass

@@ -1,0 +1,68 @@
+"""Verification of drafted tokens (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"). Pure functions on numpy arrays; names follow the paper:
+
+  gamma  number of drafted tokens
+  q      draft distributions, shape (gamma, V): q[i] is what draft token i was sampled from
+  p      target distributions, shape (gamma + 1, V): p[i] is the target's distribution for the
+         position of draft token i; p[gamma] is the bonus position after all drafts
+
+Both return (n_accepted, next_token): the first n_accepted drafts are kept, then next_token is
+the target's own token (the correction after a rejection, or the bonus after full acceptance).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .sampling import sample
+
+
+def greedy_verify(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
+    """Accept while the draft token is the target's argmax; then one token of the target's.
+
+    target_argmax has gamma + 1 entries (one per verified row)."""
+    gamma = len(draft_tokens)
+    if len(target_argmax) != gamma + 1:
+        raise ValueError("target_argmax needs gamma + 1 entries")
+    n = 0
+    while n < gamma and int(draft_tokens[n]) == int(target_argmax[n]):
+        n += 1
+    return n, int(target_argmax[n])
+
+
+def speculative_sampling(
+    draft_tokens: Sequence[int],
+    q: np.ndarray,
+    p: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Accept draft x_i with probability min(1, p_i(x)/q_i(x)); on the first rejection sample from
+    norm(max(0, p_i - q_i)); if all gamma are accepted, sample a bonus token from p_gamma.
+
+    The emitted tokens are distributed exactly as sampling from p one token at a time."""
+    gamma = len(draft_tokens)
+    if p.shape[0] != gamma + 1 or (gamma and q.shape[0] < gamma):
+        raise ValueError("need q with gamma rows and p with gamma + 1 rows")
+    for i in range(gamma):
+        x = int(draft_tokens[i])
+        px = float(p[i, x])
+        qx = float(q[i, x])
+        if qx <= 0.0:
+            raise ValueError(f"draft token {x} at position {i} has q = 0: it cannot have been sampled from q")
+        r = rng.random()
+        if r < min(1.0, px / qx):
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        if residual.sum() <= 0.0:  # only through rounding when p == q; p itself is then exact
+            residual = p[i]
+        return i, sample(residual, rng)
+    return gamma, sample(p[gamma], rng)
+
+
+def one_hot(tokens: Sequence[int], n_vocab: int) -> np.ndarray:
+    """q for deterministic drafters (prompt lookup): all mass on the proposed token."""
+    q = np.zeros((len(tokens), n_vocab))
+    q[np.arange(len(tokens)), np.asarray(tokens, dtype=np.int64)] = 1.0
+    return q

@@ -1,0 +1,57 @@
+"""Session fixtures: tiny fabricated GGUF models (target, low-acceptance draft, other-vocab model)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tinymodels import OTHER_WORDS, greedy_margins, write_model
+
+PROMPTS = ["Hello world, the x = y + 1", "def f(x): return x", "the cat and the dog", "Once upon a time"]
+N_EXACT = 200
+MIN_MARGIN = 0.05  # plain greedy's top-2 logit margin over the test length; batch-shape noise is < 0.006
+REAL_MODELS = Path(os.environ.get("LOCALSPEC_TEST_MODELS", Path.home() / ".cache" / "localspec-test-models"))
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+def _pick(model_dir: Path, name: str, seeds) -> Path:
+    """First seed whose plain greedy decoding keeps a wide top-2 margin on every test prompt."""
+    from localspec.backend import Model
+
+    for seed in seeds:
+        path = write_model(model_dir / f"{name}.gguf", seed)
+        with Model(path, n_ctx=1024) as m:
+            margins = [greedy_margins(m, m.tokenize(p), N_EXACT + 40)[1] for p in PROMPTS]
+        if min(margins) >= MIN_MARGIN:
+            return path
+    raise RuntimeError(f"no seed in {seeds} gives margins >= {MIN_MARGIN}")
+
+
+@pytest.fixture(scope="session")
+def target_path(model_dir) -> Path:
+    return _pick(model_dir, "target", range(1, 40))
+
+
+@pytest.fixture(scope="session")
+def draft_path(model_dir, target_path) -> Path:
+    # same vocab, other weights: a low-acceptance draft
+    return write_model(model_dir / "draft.gguf", 1001)
+
+
+@pytest.fixture(scope="session")
+def other_vocab_path(model_dir) -> Path:
+    return write_model(model_dir / "other.gguf", 7, words=OTHER_WORDS)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    p = REAL_MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not p.is_file():
+        pytest.skip(f"real model absent: {p} (run ../shared/models/fetch-real-models.sh)")
+    return p

@@ -1,0 +1,226 @@
+"""Exactness of speculative decoding on tiny fabricated models, KV rollback, stops, multi-turn reuse."""
+
+import numpy as np
+import pytest
+
+from conftest import N_EXACT, PROMPTS
+from localspec.backend import Model
+from localspec.engine import Engine, Finished, GenConfig, Piece, TextAssembler
+from localspec.errors import ContextOverflowError, IncompatibleDraftError, UsageError
+from localspec.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(target_path, draft_path):
+    e = Engine.load(target_path, draft_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def self_engine(target_path):
+    e = Engine.load(target_path, target_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def plain(engine):
+    return {p: engine.complete(engine.raw_prompt(p), GenConfig(method="none", max_tokens=N_EXACT)).tokens for p in PROMPTS}
+
+
+def test_plain_is_long_enough(plain):
+    for toks in plain.values():
+        assert len(toks) == N_EXACT
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+@pytest.mark.parametrize("which", ["low", "self"])
+def test_draft_equals_plain(engine, self_engine, plain, k, which):
+    e = engine if which == "low" else self_engine
+    for p in PROMPTS:
+        r = e.complete(e.raw_prompt(p), GenConfig(method="draft", k=k, max_tokens=N_EXACT, p_min=0.0))
+        assert r.tokens == plain[p], (p, k, which)
+        assert r.stats.drafted > 0
+        if which == "self":
+            assert r.stats.accepted == r.stats.drafted  # the target drafting for itself: 100%
+            assert r.stats.mean_accepted_length > k  # k accepted + 1 bonus per pass (less at the end)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_lookup_equals_plain(engine, plain, k):
+    for p in PROMPTS:
+        r = engine.complete(engine.raw_prompt(p), GenConfig(method="lookup", k=k, max_tokens=N_EXACT))
+        assert r.tokens == plain[p]
+    assert r.stats.method == "lookup"
+
+
+def test_auto_adaptive_equals_plain(engine, plain):
+    for p in PROMPTS:
+        r = engine.complete(engine.raw_prompt(p), GenConfig(method="auto", k=8, max_tokens=N_EXACT))
+        assert r.tokens == plain[p]
+        assert sum(r.stats.k_used.values()) == r.stats.target_passes
+
+
+def test_low_acceptance_draft_is_low(engine, plain):
+    r = engine.complete(engine.raw_prompt(PROMPTS[0]), GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0))
+    assert r.stats.acceptance_rate < 0.5
+
+
+def test_stats_are_consistent(self_engine):
+    r = self_engine.complete(self_engine.raw_prompt(PROMPTS[1]), GenConfig(method="draft", k=4, max_tokens=50, p_min=0))
+    s = r.stats
+    assert s.completion_tokens == 50 == len(r.tokens)
+    assert s.completion_tokens == 1 + s.accepted + s.target_passes  # first token comes from the prompt pass
+    assert s.drafted_at[0] == s.target_passes - s.k_used.get(0, 0) or s.drafted_at[0] <= s.target_passes
+    assert sum(s.accepted_at) == s.accepted
+    assert 0 < s.ttft_s <= s.elapsed_s and s.draft_s > 0 and s.verify_s > 0
+    d = s.to_dict()
+    for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "acceptance_by_position"):
+        assert key in d
+
+
+def test_kv_rollback_matches_fresh_context(target_path):
+    """After speculative steps with rejections, the next logits equal a fresh context fed the same tokens."""
+    from localspec.drafters import DraftModelDrafter
+
+    with Model(target_path, n_ctx=512) as m, Model(target_path, n_ctx=512) as fresh:
+        ids = m.tokenize(PROMPTS[2])
+        m.decode(ids)
+        # decode 6 junk "draft" tokens with all rows, then reject 4 of them
+        base = len(m.tokens)
+        m.decode([10, 20, 30, 40, 50, 60], "all")
+        m.truncate(base + 2)
+        got = m.decode([77], "last")[0]
+        want = fresh.decode(ids + [10, 20, 77], "last")[0]
+        np.testing.assert_allclose(got, want, atol=1e-2)
+        assert int(np.argmax(got)) == int(np.argmax(want))
+        assert m.tokens == ids + [10, 20, 77]
+
+
+def test_pair_check_refuses_other_vocab(target_path, other_vocab_path):
+    with pytest.raises(IncompatibleDraftError, match="token .* differs"):
+        Engine.load(target_path, other_vocab_path, n_ctx=256)
+
+
+def test_pair_check_reports_first_difference():
+    from localspec.backend import VocabInfo
+    from localspec.compat import first_difference
+
+    a = VocabInfo("bpe", 100, 1, 2, False, False, [b"t%d" % i for i in range(100)])
+    assert first_difference(a, a) is None
+    b = VocabInfo("bpe", 300, 1, 2, False, False, [b"t%d" % i for i in range(300)])
+    assert "vocab sizes differ by 200" in first_difference(a, b)
+    c = VocabInfo("spm", 100, 1, 2, False, False, a.token_text)
+    assert "vocab type" in first_difference(a, c)
+    d = VocabInfo("bpe", 100, 1, 3, False, False, a.token_text)
+    assert "special tokens" in first_difference(a, d)
+    t = list(a.token_text)
+    t[50] = b"zz"
+    assert "token 50 differs" in first_difference(a, VocabInfo("bpe", 100, 1, 2, False, False, t))
+    t = list(a.token_text)
+    t[3] = b"zz"  # ids below 5 are not compared (llama.cpp does the same)
+    assert first_difference(a, VocabInfo("bpe", 100, 1, 2, False, False, t)) is None
+
+
+def test_stop_string_and_max_tokens(engine, plain):
+    full = engine.target.detokenize(plain[PROMPTS[0]])
+    stop = full[30:34]
+    r = engine.complete(engine.raw_prompt(PROMPTS[0]), GenConfig(method="lookup", max_tokens=N_EXACT, stop=[stop]))
+    assert r.finish_reason == "stop"
+    assert r.text == full[: full.index(stop)]
+    r = engine.complete(engine.raw_prompt(PROMPTS[0]), GenConfig(method="draft", k=8, max_tokens=7))
+    assert r.finish_reason == "length" and len(r.tokens) == 7 and r.tokens == plain[PROMPTS[0]][:7]
+
+
+def test_text_assembler_utf8_and_stop_holdback():
+    ta = TextAssembler(stops=["END"])
+    euro = "€".encode()
+    assert ta.push(euro[:1]) == ("", False)
+    assert ta.push(euro[1:]) == ("€", False)
+    assert ta.push(b"abE") == ("ab", False)  # 'E' may start 'END': held back
+    assert ta.push(b"N") == ("", False)
+    assert ta.push(b"Dxyz") == ("", True)
+    assert ta.text == "€ab"
+    ta = TextAssembler()
+    assert ta.push(b"plain") == ("plain", False)
+
+
+def test_stream_pieces_join_to_text(engine):
+    pieces, fin = [], None
+    for ev in engine.generate(engine.raw_prompt(PROMPTS[3]), GenConfig(method="lookup", max_tokens=60)):
+        if isinstance(ev, Piece):
+            pieces.append(ev)
+        else:
+            fin = ev
+    assert isinstance(fin, Finished)
+    assert "".join(p.text for p in pieces) == fin.text
+    assert sum(p.drafted for p in pieces) == fin.stats.accepted
+
+
+def test_multi_turn_reuses_kv_prefix(engine):
+    msgs = [{"role": "user", "content": "the cat"}]
+    p1 = engine.chat_prompt(msgs)
+    r1 = engine.complete(p1, GenConfig(method="draft", k=4, max_tokens=20))
+    msgs += [{"role": "assistant", "content": r1.text}, {"role": "user", "content": "and the dog"}]
+    p2 = engine.chat_prompt(msgs)
+    r2 = engine.complete(p2, GenConfig(method="draft", k=4, max_tokens=20))
+    assert r2.stats.cached_prompt_tokens >= len(p1)
+    # and the answer is what a cold engine gives
+    cold = engine.complete([1], GenConfig(method="none", max_tokens=1))  # disturb the cache
+    r3 = engine.complete(p2, GenConfig(method="none", max_tokens=20))
+    assert r3.tokens == r2.tokens and cold.stats.cached_prompt_tokens <= 1
+
+
+def test_context_full_ends_with_length(target_path):
+    e = Engine.load(target_path, target_path, n_ctx=64)
+    try:
+        p = e.raw_prompt("the cat and the dog")
+        r = e.complete(p, GenConfig(method="draft", k=8, max_tokens=500))
+        assert r.finish_reason == "length"
+        assert len(p) + len(r.tokens) == e.target.n_ctx + 1  # the pending last token needs no KV slot
+        with pytest.raises(ContextOverflowError, match="-c"):
+            e.complete(e.raw_prompt("x " * 400), GenConfig())
+    finally:
+        e.close()
+
+
+def test_bad_configs(engine, target_path):
+    with pytest.raises(UsageError):
+        GenConfig(method="bogus")
+    with pytest.raises(UsageError):
+        GenConfig(k=-1)
+    with pytest.raises(UsageError):
+        GenConfig(k=1000)
+    e = Engine.load(target_path, None, n_ctx=256)
+    try:
+        with pytest.raises(UsageError, match="draft model"):
+            e.complete(e.raw_prompt("x"), GenConfig(method="draft"))
+    finally:
+        e.close()
+
+
+def test_sampled_speculation_matches_plain_distribution(target_path, draft_path):
+    """Temperature 1: the distribution of the first drafted position's token after a fixed prompt is the same with a
+    low-acceptance draft as with plain sampling (chi-square on >= 1500 runs each)."""
+    e = Engine.load(target_path, draft_path, n_ctx=256)
+    try:
+        prompt = e.raw_prompt("def f(x): return x")  # a spread-out next-token distribution
+        sp = lambda s: SamplingParams(temperature=1.0, seed=s)  # noqa: E731
+        def hist(method, seed0, n):
+            c = {}
+            for i in range(n):
+                # max_tokens=3: the 2nd and 3rd tokens come from one speculative step with k = 1
+                r = e.complete(prompt, GenConfig(method=method, k=3, max_tokens=3, p_min=0, sampling=sp(seed0 + i)))
+                key = r.tokens[1]
+                c[key] = c.get(key, 0) + 1
+            return c
+        n = 1500
+        a, b = hist("none", 0, n), hist("draft", 10**6, n)
+        keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
+        chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
+        dof = len(keys) - 1
+        assert dof >= 3
+        assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+    finally:
+        e.close()

@@ -1,0 +1,23 @@
+"""Smoke test on a real model (SmolLM2-135M-Instruct Q4_1). Skipped with a reason when the file is absent."""
+
+from localspec.engine import Engine, GenConfig
+
+N = 64
+
+
+def test_smollm_lookup_and_self_draft_equal_plain(smollm_path):
+    e = Engine.load(smollm_path, smollm_path, n_ctx=1024)
+    try:
+        prompt = e.chat_prompt([{"role": "user", "content": "Repeat this list exactly: apple, banana, cherry, date, elderberry, fig, grape."}])
+        plain = e.complete(prompt, GenConfig(method="none", max_tokens=N))
+        assert len(plain.tokens) > 8
+        lookup = e.complete(prompt, GenConfig(method="lookup", k=4, max_tokens=N))
+        assert lookup.tokens == plain.tokens
+        assert lookup.stats.accepted > 0
+        draft = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N, p_min=0))
+        assert draft.tokens == plain.tokens
+        assert draft.stats.acceptance_rate == 1.0
+        auto = e.complete(prompt, GenConfig(method="auto", k=8, max_tokens=N))
+        assert auto.tokens == plain.tokens
+    finally:
+        e.close()

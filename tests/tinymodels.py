@@ -1,0 +1,121 @@
+"""Fabricate tiny llama-architecture GGUF models with random weights (for fast, offline tests).
+
+Vocab: SPM with <unk>, <s>, </s>, the chat markers, the 256 byte tokens and a few word pieces.
+The weights are random; `pick_seed` searches seeds until plain greedy decoding keeps a wide top-2
+logit margin over the test length, so batch-shape rounding can never flip an argmax.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+WORDS = ["▁the", "▁a", "▁and", "▁of", "▁to", "▁is", "▁in", "▁it", "▁def", "▁return", "▁x", "▁y", "▁=", "▁+",
+         "(", ")", ":", "e", "t", "a", "o", "n", "s", "▁", "in", "er", "on", "at"]
+OTHER_WORDS = ["▁le", "▁la", "▁et", "▁de", "▁un", "▁une", "▁est", "▁dans", "▁pour", "▁pas", "▁que", "▁qui",
+               "▁sur", "▁avec", "[", "]", ";", "é", "è", "à", "u", "i", "r", "▁", "ou", "ai", "ch", "qu"]
+
+
+def vocab(words=WORDS):
+    tokens, scores, types = [], [], []
+
+    def add(text, score, typ):
+        tokens.append(text)
+        scores.append(score)
+        types.append(typ)
+
+    add("<unk>", 0.0, 2)
+    add("<s>", 0.0, 3)
+    add("</s>", 0.0, 3)
+    add("<|im_start|>", 0.0, 3)
+    add("<|im_end|>", 0.0, 3)
+    for b in range(256):
+        add(f"<0x{b:02X}>", 0.0, 6)
+    for i, w in enumerate(words):
+        add(w, -1.0 - 0.01 * i, 1)
+    return tokens, scores, types
+
+
+def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_head=4, n_ff=128,
+                layer_std=0.6, bigram=0.5, n_ctx_train=2048) -> Path:
+    """Random llama model. The output matrix is a random matrix plus `bigram` x a permutation of the
+    token embeddings: each token strongly suggests a successor, the layers perturb it with context.
+    That keeps greedy top-2 margins wide (0.1-5 logits) while outputs stay varied."""
+    import gguf
+
+    tokens, scores, types = vocab(words)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    # 2-D weights in F16: this llama.cpp build's CPU F32 mat-mul path segfaults (seen with 0.3.36 here)
+    def w(*shape, std=layer_std):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_name(f"tiny-{seed}")
+    wr.add_context_length(n_ctx_train)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_layer)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_file_type(1)  # mostly F16
+    wr.add_tokenizer_model("llama")
+    wr.add_token_list(tokens)
+    wr.add_token_scores(scores)
+    wr.add_token_types(types)
+    wr.add_unk_token_id(0)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+    wr.add_add_bos_token(True)
+    wr.add_add_eos_token(False)
+    wr.add_chat_template(CHATML)
+
+    emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        wr.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+    wr.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+    out += emb[rng.permutation(n_vocab)] * bigram
+    # end-of-generation tokens never win: the tests need long generations
+    out[[0, 1, 2, 3, 4]] = 0.0
+    wr.add_tensor("output.weight", out.astype(np.float16))
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+def greedy_margins(model, prompt_tokens, n_tokens):
+    """Plain one-token-at-a-time greedy decoding; returns (tokens, min top-2 margin)."""
+    model.clear()
+    logits = model.decode(prompt_tokens, "last")[0]
+    out, margin = [], np.inf
+    for _ in range(n_tokens):
+        top2 = np.partition(logits, -2)[-2:]
+        margin = min(margin, float(top2[1] - top2[0]))
+        t = int(np.argmax(logits))
+        out.append(t)
+        logits = model.decode([t], "last")[0]
+    model.clear()
+    return out, margin
