@@ -17,7 +17,7 @@ import numpy as np
 
 from .compat import check_pair
 from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
-from .errors import ContextOverflowError, UsageError
+from .errors import ContextOverflowError, IncompatibleDraftError, UsageError
 from .sampling import SamplingParams, probs, sample
 from .stats import Stats
 from .verify import greedy_verify, one_hot, speculative_sampling
@@ -132,6 +132,8 @@ class Engine:
         self._lookup: PromptLookupDrafter | None = None
         self._draft_drafter: DraftModelDrafter | None = None
         self.controller_state = None  # adaptive controller memory across generations
+        self.dropped_draft: str | None = None
+        self.last_stats: Stats | None = None
         if draft is not None:
             check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
             if draft.n_ctx < target.n_ctx:
@@ -147,7 +149,10 @@ class Engine:
         gpu_layers: int = 0,
         draft_gpu_layers: int = 0,
         threads: int | None = None,
+        drop_incompatible_draft: bool = False,
     ) -> "Engine":
+        """Load target (and draft). drop_incompatible_draft: keep going without a draft that fails the
+        pair check (the reason is in .dropped_draft) instead of raising."""
         from .backend import Model
 
         target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads)
@@ -155,7 +160,16 @@ class Engine:
         try:
             if draft_path is not None:
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=draft_gpu_layers, n_threads=threads)
-            return cls(target, draft)
+            try:
+                return cls(target, draft)
+            except IncompatibleDraftError as exc:
+                if not drop_incompatible_draft:
+                    raise
+                draft.close()
+                draft = None
+                engine = cls(target, None)
+                engine.dropped_draft = str(exc)
+                return engine
         except Exception:
             if draft is not None:
                 draft.close()
@@ -234,7 +248,7 @@ class Engine:
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
         policy, method = self.make_policy(cfg)
-        stats = Stats(method=method)
+        stats = self.last_stats = Stats(method=method)
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise UsageError("empty prompt")

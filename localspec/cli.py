@@ -1,0 +1,733 @@
+"""The `localspec` command line. Answer text goes to stdout; everything else to stderr.
+Domain errors become one `error:` line and an exit code here, and only here."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from . import __version__, config
+from .errors import LocalspecError, UsageError
+
+app = typer.Typer(
+    name="localspec",
+    help="Speculative decoding for local GGUF models: the same answer as plain decoding, sooner.",
+    rich_markup_mode="rich",
+    no_args_is_help=False,
+    add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    epilog=(
+        "Examples:\n\n"
+        "  localspec run \"Write a Python function that reverses a string\"\n\n"
+        "  cat main.py | localspec run \"Add type hints to this code\" --json\n\n"
+        "  localspec chat -m qwen2.5-coder-1.5b\n\n"
+        "  localspec bench --methods none,draft,lookup --k 2,4,8"
+    ),
+)
+models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+DEBUG = False
+
+
+def _err(msg: str) -> None:
+    sys.stderr.write(f"error: {msg}\n")
+    sys.stderr.flush()
+
+
+def _version_cb(value: bool):
+    if value:
+        try:
+            from .backend import llama_cpp_version
+
+            ll = llama_cpp_version()
+        except Exception:
+            ll = "not importable"
+        typer.echo(f"localspec {__version__} (llama-cpp-python {ll})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version_cb, is_eager=True, help="Show versions and exit.")] = False,
+    debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks (or set LOCALSPEC_DEBUG=1).")] = False,
+):
+    global DEBUG
+    DEBUG = debug or os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")
+
+
+# ----------------------------------------------------------------- shared options
+ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Pair name or target GGUF path.", show_default=False)]
+DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft GGUF path, or a pair name (its draft).", show_default=False)]
+MethodOpt = Annotated[Optional[str], typer.Option("--method", help="auto | draft | lookup | none.", show_default=False)]
+KOpt = Annotated[Optional[int], typer.Option("-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use).", show_default=False)]
+TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0 = greedy (default).", show_default=False)]
+SystemOpt = Annotated[Optional[str], typer.Option("-s", "--system", help="System prompt.", show_default=False)]
+
+
+def settings(**flags) -> dict:
+    return config.values({k: v for k, v in flags.items() if v is not None})
+
+
+def resolve_models(model: str, draft: str | None, method: str, *, quiet: bool = False):
+    """(target path, draft path or None, pair or None). Pair files are fetched on first use."""
+    from . import download, registry
+
+    pair = None
+    if registry.looks_like_path(model):
+        target = Path(model).expanduser()
+        if not target.is_file():
+            raise UsageError(f"model file not found: {model}")
+    else:
+        pair = registry.get(model)
+        target = download.ensure(pair.target, quiet=quiet)
+    draft_path = None
+    if method != "none":
+        if draft:
+            if registry.looks_like_path(draft):
+                draft_path = Path(draft).expanduser()
+                if not draft_path.is_file():
+                    raise UsageError(f"draft file not found: {draft}")
+            else:
+                dp = registry.get(draft)
+                draft_path = download.ensure(dp.draft or dp.target, quiet=quiet)
+        elif pair is not None and pair.draft is not None and method in ("auto", "draft"):
+            draft_path = download.ensure(pair.draft, quiet=quiet)
+    return target, draft_path, pair
+
+
+def tuned_for(key: str) -> dict:
+    data = config.load_toml(config.config_file())
+    return (data.get("tuned") or {}).get(key, {})
+
+
+def build_gen_config(s: dict, pair, stop: list[str] | None, target_path: Path):
+    from .engine import GenConfig
+    from .sampling import SamplingParams
+
+    k = s["draft_tokens"]
+    p_min = s["p_min"]
+    tuned = tuned_for(pair.name if pair else target_path.name)
+    if k is None:
+        k = tuned.get("k") or (pair.k if pair else 4)
+    if "p_min" in tuned and config.resolve()["p_min"].source == "default":
+        p_min = tuned["p_min"]
+    return GenConfig(
+        method=s["method"],
+        k=k,
+        max_tokens=s["max_tokens"],
+        stop=stop or (),
+        sampling=SamplingParams(
+            temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"], seed=s["seed"]
+        ),
+        p_min=p_min,
+        lookup_min=s["lookup_min"],
+        lookup_max=s["lookup_max"],
+    )
+
+
+def load_engine(s: dict, *, quiet: bool, announce=None):
+    """Resolve, fetch and load the models named in settings `s`; returns (engine, pair, target, draft)."""
+    from .engine import METHODS, Engine
+
+    if s["method"] not in METHODS:
+        raise UsageError(f"unknown method {s['method']!r}; choose one of {', '.join(METHODS)}")
+    target, draft, pair = resolve_models(s["model"], s["draft"], s["method"], quiet=quiet)
+    ctx = s["ctx_size"]
+    if ctx is not None and ctx < 16:
+        raise UsageError(f"context size must be >= 16, got {ctx}")
+    if pair is not None and config.resolve()["ctx_size"].source == "default" and s["ctx_size"] == config.SETTINGS["ctx_size"][1]:
+        ctx = pair.ctx
+    if announce:
+        announce(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ...")
+    engine = Engine.load(
+        target, draft, n_ctx=ctx, gpu_layers=s["gpu_layers"], draft_gpu_layers=s["draft_gpu_layers"],
+        threads=s["threads"], drop_incompatible_draft=s["method"] == "auto",
+    )
+    return engine, pair, target, draft
+
+
+# ----------------------------------------------------------------- status output
+class Status:
+    """Live status line on a terminal's stderr, plus the final summary."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.live = not quiet and sys.stderr.isatty()
+        self._last = 0.0
+        self._shown = False
+
+    def info(self, msg: str) -> None:
+        if not self.quiet:
+            self.clear()
+            sys.stderr.write(msg + "\n")
+            sys.stderr.flush()
+
+    def update(self, stats, force: bool = False) -> None:
+        if not self.live:
+            return
+        now = time.perf_counter()
+        if not force and now - self._last < 0.2:
+            return
+        self._last = now
+        line = f"{stats.tokens_per_second:6.1f} tok/s  accept {stats.acceptance_rate:4.0%}  len {stats.mean_accepted_length:4.2f}  {stats.completion_tokens} tok"
+        sys.stderr.write("\0337\r\x1b[2K\x1b[2m" + line + "\x1b[0m\0338")
+        sys.stderr.flush()
+        self._shown = True
+
+    def clear(self) -> None:
+        if self._shown:
+            sys.stderr.write("\0337\r\x1b[2K\0338")
+            sys.stderr.flush()
+            self._shown = False
+
+
+def summary_line(stats, finish: str) -> str:
+    used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
+    return (
+        f"{stats.completion_tokens} tokens in {stats.elapsed_s:.2f}s | {stats.tokens_per_second:.1f} tok/s | "
+        f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
+        f"mean accepted length {stats.mean_accepted_length:.2f} | steps: {used} | {finish}"
+        + (f" | {stats.reason}" if stats.reason else "")
+    )
+
+
+def main_method(stats) -> str:
+    """The method that actually produced the tokens (the most used drafter; none when it never drafted)."""
+    used = {m: n for m, n in stats.method_used.items() if m != "none"}
+    return max(used, key=used.get) if used else "none"
+
+
+def result_json(fin, stats, engine, gen_cfg, interrupted=False) -> dict:
+    return {
+        "text": fin.text if fin else "",
+        "finish_reason": "interrupted" if interrupted else fin.finish_reason,
+        "method": main_method(stats),
+        "requested_method": gen_cfg.method,
+        "draft_tokens": gen_cfg.k,
+        "target": engine.target.name,
+        "draft": engine.draft.name if engine.draft is not None else None,
+        "prompt_tokens": stats.prompt_tokens,
+        "cached_prompt_tokens": stats.cached_prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "acceptance_by_position": stats.acceptance_by_position,
+        "ttft_s": stats.ttft_s,
+        "tokens_per_second": stats.tokens_per_second,
+        "elapsed_s": stats.elapsed_s,
+        "draft_s": stats.draft_s,
+        "verify_s": stats.verify_s,
+        "steps_by_method": dict(stats.method_used),
+        "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
+        "controller": stats.reason or None,
+        "draft_dropped": engine.dropped_draft,
+    }
+
+
+def read_stdin() -> str | None:
+    if sys.stdin is None or sys.stdin.isatty():
+        return None
+    try:
+        data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"cannot read standard input: {exc}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UsageError("standard input is not UTF-8 text") from None
+
+
+# ----------------------------------------------------------------- run
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  localspec run \"Explain Python decorators\"\n\n"
+        "  git diff | localspec run \"Write a commit message for this diff\"\n\n"
+        "  localspec run -m ./model.gguf -d ./draft.gguf --method draft -k 4 \"hello\"\n\n"
+        "  localspec run --json -n 64 \"List three primes\" | jq .tokens_per_second"
+    )
+)
+def run(
+    prompt: Annotated[Optional[str], typer.Argument(help="The prompt. Piped stdin comes first, then a blank line, then PROMPT.", show_default=False)] = None,
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    method: MethodOpt = None,
+    draft_tokens: KOpt = None,
+    p_min: Annotated[Optional[float], typer.Option("--p-min", help="Draft model stops below this top probability.", show_default=False)] = None,
+    lookup_min: Annotated[Optional[int], typer.Option("--lookup-min", help="Shortest n-gram for prompt lookup.", show_default=False)] = None,
+    lookup_max: Annotated[Optional[int], typer.Option("--lookup-max", help="Longest n-gram for prompt lookup.", show_default=False)] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("-n", "--max-tokens", help="Most tokens to generate.", show_default=False)] = None,
+    temperature: TempOpt = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", show_default=False)] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", show_default=False)] = None,
+    min_p: Annotated[Optional[float], typer.Option("--min-p", show_default=False)] = None,
+    seed: Annotated[Optional[int], typer.Option("--seed", show_default=False)] = None,
+    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).", show_default=False)] = None,
+    system: SystemOpt = None,
+    raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt goes in as-is.")] = False,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+    gpu_layers: Annotated[Optional[int], typer.Option("--gpu-layers", show_default=False)] = None,
+    draft_gpu_layers: Annotated[Optional[int], typer.Option("--draft-gpu-layers", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr but errors.")] = False,
+    no_stream: Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
+):
+    """Answer one prompt (stdin is joined to it), streaming to stdout."""
+    s = settings(
+        model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
+        lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+        seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
+    )
+    piped = read_stdin()
+    parts = [p for p in (piped, prompt) if p is not None and p.strip() != ""]
+    if not parts:
+        raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
+    text = "\n\n".join(parts)
+    if s["threads"] is not None and s["threads"] < 1:
+        raise UsageError(f"threads must be >= 1, got {s['threads']}")
+    status = Status(quiet)
+    from .engine import Finished
+
+    build_gen_config(s, None, stop, Path(s["model"]))  # bad sampling/k values fail before loading gigabytes
+    engine, pair, target, draft_path = load_engine(s, quiet=quiet, announce=status.info if sys.stderr.isatty() else None)
+    try:
+        gen_cfg = build_gen_config(s, pair, stop, target)
+        if engine.dropped_draft:
+            status.info(f"warning: {engine.dropped_draft}; using prompt lookup")
+        if raw:
+            tokens = engine.raw_prompt(text)
+        else:
+            msgs = ([{"role": "system", "content": s["system"]}] if s["system"] else []) + [{"role": "user", "content": text}]
+            tokens = engine.chat_prompt(msgs)
+        stream = not (no_stream or as_json)
+        fin = None
+        out = sys.stdout
+        try:
+            for ev in engine.generate(tokens, gen_cfg):
+                if isinstance(ev, Finished):
+                    fin = ev
+                    break
+                if stream and ev.text:
+                    out.write(ev.text)
+                    out.flush()
+                status.update(engine.last_stats)
+        except KeyboardInterrupt:
+            status.clear()
+            stats = engine.last_stats
+            if stream:
+                out.write("\n")
+                out.flush()
+            if as_json:
+                out.write(json.dumps(result_json(None, stats, engine, gen_cfg, interrupted=True)) + "\n")
+            if not quiet and stats is not None:
+                sys.stderr.write(summary_line(stats, "interrupted") + "\n")
+            raise typer.Exit(130)
+        status.clear()
+        stats = fin.stats
+        if as_json:
+            out.write(json.dumps(result_json(fin, stats, engine, gen_cfg)) + "\n")
+        elif stream:
+            if not fin.text.endswith("\n"):
+                out.write("\n")
+        else:
+            out.write(fin.text + ("" if fin.text.endswith("\n") else "\n"))
+        out.flush()
+        if not quiet:
+            sys.stderr.write(summary_line(stats, fin.finish_reason) + "\n")
+    finally:
+        engine.close()
+
+
+# ----------------------------------------------------------------- config
+@app.command("config")
+def config_cmd(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+):
+    """Show the effective settings and where each came from (default < file < env < flag)."""
+    eff = config.resolve()
+    data = config.load_toml(config.config_file())
+    tuned = data.get("tuned") or {}
+    if as_json:
+        typer.echo(json.dumps({"config_file": str(config.config_file()),
+                               "settings": {k: {"value": v.value, "source": v.source} for k, v in eff.items()},
+                               "tuned": tuned}))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"config file: {config.config_file()}", title_justify="left")
+    t.add_column("setting")
+    t.add_column("value")
+    t.add_column("from")
+    for k, v in eff.items():
+        t.add_row(k, "" if v.value is None else str(v.value), v.source)
+    c = Console()
+    c.print(t)
+    for name, vals in tuned.items():
+        c.print(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items()))
+
+
+# ----------------------------------------------------------------- models
+@models_app.command("list")
+def models_list(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Pairs, whether they are downloaded, sizes and local paths."""
+    from . import download, registry
+
+    pairs, default = registry.load()
+    rows = []
+    for name, p in pairs.items():
+        files = {"target": p.target, "draft": p.draft}
+        entry = {"name": name, "default": name == default, "description": p.description, "k": p.k, "source": p.source}
+        for role, spec in files.items():
+            if spec is None:
+                entry[role] = None
+                continue
+            lp = download.local_path(spec)
+            entry[role] = {"file": spec.label, "size": spec.size or (lp.stat().st_size if lp else None),
+                           "downloaded": lp is not None, "path": str(lp) if lp else None}
+        rows.append(entry)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table()
+    for col in ("pair", "target", "draft", "k", "local"):
+        t.add_column(col)
+
+    def fmt(f):
+        if f is None:
+            return "[dim]- (lookup)[/dim]"
+        size = f"{f['size'] / 1e9:.2f} GB" if f["size"] else "?"
+        mark = "[green]✓[/green]" if f["downloaded"] else "[dim]·[/dim]"
+        return f"{mark} {Path(f['file']).name} [dim]{size}[/dim]"
+
+    for r in rows:
+        paths = "\n".join(x["path"] for x in (r["target"], r["draft"]) if x and x["path"]) or "-"
+        t.add_row(r["name"] + (" [bold](default)[/bold]" if r["default"] else "") + f"\n[dim]{r['description']}[/dim]",
+                  fmt(r["target"]), fmt(r["draft"]), str(r["k"]), paths)
+    Console().print(t)
+
+
+@models_app.command("pull")
+def models_pull(name: Annotated[str, typer.Argument(help="Pair name.")],
+                check: Annotated[bool, typer.Option("--check/--no-check", help="Check pair compatibility from the remote headers first.")] = True):
+    """Download both files of a pair (progress, resume, sha256 check)."""
+    from . import download, registry
+
+    pair = registry.get(name)
+    if check and pair.draft is not None and not download.offline():
+        _remote_compat(pair)
+    for role, spec in (("target", pair.target), ("draft", pair.draft)):
+        if spec is None:
+            continue
+        path = download.ensure(spec)
+        sys.stderr.write(f"{role}: {path}\n")
+
+
+def _remote_compat(pair) -> None:
+    """Pair check on the GGUF headers, read remotely (ranged reads) before fetching gigabytes."""
+    from . import download
+    from .compat import first_difference
+    from .gguf_meta import read_metadata, vocab_info
+
+    infos = []
+    for spec in (pair.target, pair.draft):
+        lp = download.local_path(spec)
+        try:
+            if lp is not None:
+                with open(lp, "rb") as fh:
+                    infos.append(vocab_info(read_metadata(fh)))
+            else:
+                from huggingface_hub import HfFileSystem
+
+                fs = HfFileSystem()
+                rev = f"@{spec.revision}" if spec.revision else ""
+                with fs.open(f"{spec.repo}{rev}/{spec.file}", "rb", block_size=1 << 20) as fh:
+                    infos.append(vocab_info(read_metadata(fh)))
+        except LocalspecError:
+            raise
+        except Exception:
+            return  # the hub is unreachable: the check runs after download, at load time
+    why = first_difference(*infos)
+    if why:
+        raise UsageError(f"pair {pair.name} cannot speculate: {why} (nothing was downloaded)")
+
+
+@models_app.command("rm")
+def models_rm(name: Annotated[str, typer.Argument(help="Pair name.")],
+              yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False):
+    """Delete a pair's downloaded files (your own local files are never deleted)."""
+    from . import download, registry
+
+    pair = registry.get(name)
+    specs = [s for s in (pair.target, pair.draft) if s is not None and not s.path]
+    present = [download.local_path(s) for s in specs]
+    present = [p for p in present if p is not None]
+    if not present:
+        sys.stderr.write(f"{name}: nothing downloaded\n")
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError("refusing to delete without confirmation; pass --yes")
+        size = sum(p.stat().st_size for p in present)
+        if not typer.confirm(f"delete {len(present)} file(s), {size / 1e9:.2f} GB?", err=True):
+            raise typer.Exit(1)
+    for s in specs:
+        for p in download.remove(s):
+            sys.stderr.write(f"removed {p}\n")
+
+
+@models_app.command("info")
+def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path.")],
+                as_json: Annotated[bool, typer.Option("--json")] = False):
+    """GGUF facts (architecture, size, quantization, context, vocab) and the pair's compatibility verdict."""
+    from . import download, registry
+    from .compat import first_difference
+    from .gguf_meta import read_file_metadata, summary, vocab_info
+
+    files: dict[str, Path] = {}
+    if registry.looks_like_path(what):
+        p = Path(what).expanduser()
+        if not p.is_file():
+            raise UsageError(f"no such file: {what}")
+        files["model"] = p
+    else:
+        pair = registry.get(what)
+        for role, spec in (("target", pair.target), ("draft", pair.draft)):
+            if spec is not None:
+                lp = download.local_path(spec)
+                if lp is None:
+                    raise UsageError(f"{what}: {role} {spec.label} is not downloaded; run `localspec models pull {what}`")
+                files[role] = lp
+    out, metas = {}, {}
+    for role, p in files.items():
+        metas[role] = read_file_metadata(p)
+        out[role] = {"path": str(p), "size": p.stat().st_size, **summary(metas[role])}
+    if "draft" in metas:
+        why = first_difference(vocab_info(metas["target"]), vocab_info(metas["draft"]))
+        out["compatible"] = why is None
+        out["difference"] = why
+    if as_json:
+        typer.echo(json.dumps(out, indent=1))
+        return
+    for role, facts in out.items():
+        if isinstance(facts, dict):
+            typer.echo(f"{role}:")
+            for k, v in facts.items():
+                typer.echo(f"  {k}: {v}")
+    if "compatible" in out:
+        typer.echo("pair: " + ("compatible (can speculate)" if out["compatible"] else f"INCOMPATIBLE: {out['difference']}"))
+
+
+@models_app.command("add")
+def models_add(
+    name: Annotated[str, typer.Argument(help="A name for the pair.")],
+    target: Annotated[str, typer.Option("--target", help="Local path or hf://OWNER/REPO/FILE.gguf")],
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Local path or hf://OWNER/REPO/FILE.gguf")] = None,
+    k: Annotated[int, typer.Option("-k", help="Default draft tokens.")] = 4,
+    ctx: Annotated[int, typer.Option("--ctx", help="Default context size.")] = 4096,
+    description: Annotated[str, typer.Option("--description")] = "",
+):
+    """Add your own pair (stored in your user config, never in the shipped file)."""
+    from . import registry
+    from .registry import FileSpec
+
+    t = FileSpec.parse(target)
+    d = FileSpec.parse(draft) if draft else None
+    if t.path and d is not None and d.path:
+        from .compat import first_difference
+        from .gguf_meta import read_file_metadata, vocab_info
+
+        why = first_difference(vocab_info(read_file_metadata(t.path)), vocab_info(read_file_metadata(d.path)))
+        if why:
+            sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
+    path = registry.add(name, t, d, k=k, ctx=ctx, description=description)
+    sys.stderr.write(f"added pair {name} to {path}\n")
+
+
+# ----------------------------------------------------------------- doctor
+@app.command()
+def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Versions, compiled backends and devices, CPU features, threads, cache and models."""
+    from . import download, registry
+    from .backend import default_threads, llama_cpp_version, supports_gpu_offload, system_info
+
+    report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
+    try:
+        report["llama_cpp_python"] = llama_cpp_version()
+        info = system_info()
+        report["system_info"] = info.strip()
+        report["gpu_offload"] = supports_gpu_offload()
+    except Exception as exc:
+        report["llama_cpp_python"] = f"not working: {exc}"
+        info = ""
+    flags = set()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    report["cpu_features"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "bmi2")))
+    backends = [b for b in ("CUDA", "Metal", "Vulkan", "ROCm", "SYCL") if b.lower() in info.lower()]
+    report["backends"] = ["CPU"] + backends
+    report["threads"] = default_threads()
+    cd = download.cache_dir()
+    report["cache_dir"] = str(cd)
+    report["free_disk_gb"] = round(download.free_bytes(cd) / 1e9, 1)
+    report["config_file"] = str(config.config_file())
+    pairs, default = registry.load()
+    report["models"] = {n: all(download.local_path(s) is not None for s in (p.target, p.draft) if s) for n, p in pairs.items()}
+    notes = []
+    if any(f.startswith("amx") for f in flags):
+        notes.append("CPU has AMX: a default (-march=native) llama-cpp-python build can crash with SIGILL; "
+                     "rebuild with the CMAKE_ARGS in the README, or set LOCALSPEC_NO_REPACK=1")
+    if not backends:
+        notes.append('CPU only. For NVIDIA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --no-cache-dir --force-reinstall '
+                     'llama-cpp-python==0.3.36; for Apple: CMAKE_ARGS="-DGGML_METAL=on" (then use --gpu-layers -1)')
+    report["notes"] = notes
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    for k, v in report.items():
+        if k in ("system_info", "notes", "models"):
+            continue
+        typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
+    typer.echo(f"system_info: {report.get('system_info', '')}")
+    typer.echo("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
+    for n in notes:
+        typer.echo(f"note: {n}")
+
+
+# ----------------------------------------------------------------- chat, bench, tune
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    method: MethodOpt = None,
+    draft_tokens: KOpt = None,
+    temperature: TempOpt = None,
+    system: SystemOpt = None,
+    max_tokens: Annotated[Optional[int], typer.Option("-n", "--max-tokens", show_default=False)] = None,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+):
+    """Chat in the terminal, with live speculation statistics."""
+    from .tui.app import create_app
+
+    s = settings(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
+                 system=system, max_tokens=max_tokens, ctx_size=ctx_size)
+    create_app(s).run()
+
+
+@app.command()
+def bench(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSON lines {id, category, prompt}; default: the built-in set.", show_default=False)] = None,
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated: none,draft,lookup,auto.")] = "none,draft,lookup,auto",
+    ks: Annotated[str, typer.Option("--k", help="Comma-separated k values.")] = "2,4,8",
+    max_tokens: Annotated[int, typer.Option("-n", "--max-tokens")] = 128,
+    repeat: Annotated[int, typer.Option("--repeat")] = 1,
+    temperature: Annotated[float, typer.Option("-t", "--temperature")] = 0.0,
+    categories: Annotated[Optional[str], typer.Option("--categories", help="Only these categories (comma-separated).", show_default=False)] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", help="At most N prompts per category.", show_default=False)] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report as JSON.", show_default=False)] = None,
+    csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write per-run rows as CSV.", show_default=False)] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="Speedup chart PNG (needs matplotlib).", show_default=False)] = None,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+):
+    """A/B benchmark: the same prompts with and without speculation, interleaved."""
+    from . import bench as B
+
+    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
+    B.cli_bench(s, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
+                temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
+
+
+@app.command()
+def tune(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    prompts: Annotated[Optional[Path], typer.Option("--prompts", show_default=False)] = None,
+    ks: Annotated[str, typer.Option("--k", help="k values to sweep.")] = "1,2,3,4,6,8",
+    p_mins: Annotated[str, typer.Option("--p-min", help="p_min values to sweep (draft method).")] = "0.5,0.75",
+    max_tokens: Annotated[int, typer.Option("-n", "--max-tokens")] = 96,
+    limit: Annotated[int, typer.Option("--limit", help="Prompts per category in the sample.")] = 1,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+):
+    """Sweep k (and p_min) on a sample, store the fastest config for this pair in the user config."""
+    from . import bench as B
+
+    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
+    B.cli_tune(s, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
+
+
+# ----------------------------------------------------------------- entry point
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    first = next((a for a in argv if a not in ("--debug",)), None)
+    if first is None:
+        if not sys.stdin.isatty():
+            argv.append("run")
+    elif first not in COMMANDS and first not in ("-h", "--help", "--version"):
+        argv.insert(argv.index(first), "run")  # `localspec "prompt"` behaves as `localspec run "prompt"`
+    try:
+        rc = app(args=argv, prog_name="localspec", standalone_mode=False)
+    except LocalspecError as exc:
+        if DEBUG:
+            raise
+        _err(str(exc))
+        sys.exit(exc.exit_code)
+    except BrokenPipeError:
+        _quiet_pipe()
+        sys.exit(0)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        sys.exit(130)
+    except Exception as exc:  # click's (typer may vendor it) exit, abort and usage errors; anything unexpected
+        kind = type(exc).__name__
+        if kind == "Exit":
+            sys.exit(getattr(exc, "exit_code", 0))
+        if kind == "Abort":
+            sys.stderr.write("aborted\n")
+            sys.exit(1)
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # bad flags, missing values
+            _err(exc.format_message().splitlines()[0] + " (see --help)")
+            sys.exit(2)
+        if DEBUG:
+            raise
+        _err(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)")
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)
+
+
+def _quiet_pipe() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,127 @@
+"""Model pairs: the shipped models.toml plus the user's own pairs (user config dir, pairs.toml)."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from . import config
+from .errors import UsageError
+
+
+@dataclass
+class FileSpec:
+    repo: str | None = None
+    file: str | None = None
+    revision: str | None = None
+    sha256: str | None = None
+    size: int | None = None
+    mirrors: list[dict] = field(default_factory=list)
+    path: str | None = None  # a local file (user pairs)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FileSpec":
+        return cls(**{k: d.get(k) for k in ("repo", "file", "revision", "sha256", "size", "path")}, mirrors=list(d.get("mirrors", [])))
+
+    @classmethod
+    def parse(cls, src: str) -> "FileSpec":
+        """`hf://owner/repo/file.gguf[@revision]` or a local path."""
+        if src.startswith("hf://"):
+            rest = src[5:]
+            rev = None
+            if "@" in rest:
+                rest, rev = rest.rsplit("@", 1)
+            parts = rest.split("/")
+            if len(parts) < 3 or not parts[-1]:
+                raise UsageError(f"expected hf://OWNER/REPO/FILE.gguf, got {src}")
+            return cls(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=rev)
+        p = Path(src).expanduser()
+        if not p.is_file():
+            raise UsageError(f"no such file: {src}")
+        return cls(path=str(p.resolve()))
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("repo", "file", "revision", "sha256", "size", "path") if getattr(self, k) is not None}
+        if self.mirrors:
+            d["mirrors"] = self.mirrors
+        return d
+
+    @property
+    def label(self) -> str:
+        return self.path or f"{self.repo}/{self.file}"
+
+
+@dataclass
+class Pair:
+    name: str
+    description: str
+    target: FileSpec
+    draft: FileSpec | None
+    k: int = 4
+    ctx: int = 4096
+    source: str = "shipped"
+
+
+def shipped_file() -> Path:
+    return Path(str(resources.files("localspec") / "data" / "models.toml"))
+
+
+def user_pairs_file() -> Path:
+    return config.config_dir() / "pairs.toml"
+
+
+def _pairs_from(data: dict, source: str) -> dict[str, Pair]:
+    out = {}
+    for name, d in (data.get("pairs") or {}).items():
+        try:
+            out[name] = Pair(
+                name=name,
+                description=d.get("description", ""),
+                target=FileSpec.from_dict(d["target"]),
+                draft=FileSpec.from_dict(d["draft"]) if d.get("draft") else None,
+                k=int(d.get("k", 4)),
+                ctx=int(d.get("ctx", 4096)),
+                source=source,
+            )
+        except (KeyError, TypeError) as exc:
+            raise UsageError(f"pair {name!r} in {source} is malformed: {exc}") from None
+    return out
+
+
+def load() -> tuple[dict[str, Pair], str]:
+    shipped = config.load_toml(shipped_file())
+    pairs = _pairs_from(shipped, "shipped")
+    pairs.update(_pairs_from(config.load_toml(user_pairs_file()), f"user {user_pairs_file()}"))
+    return pairs, shipped.get("default", next(iter(pairs)))
+
+
+def get(name: str) -> Pair:
+    pairs, _ = load()
+    if name in pairs:
+        return pairs[name]
+    close = difflib.get_close_matches(name, list(pairs), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `localspec models list`"
+    raise UsageError(f"unknown model pair {name!r}{hint}")
+
+
+def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: int = 4096, description: str = "") -> Path:
+    shipped, _ = _pairs_from(config.load_toml(shipped_file()), "shipped"), None
+    if name in shipped:
+        raise UsageError(f"{name!r} is a shipped pair; choose another name")
+
+    def upd(data):
+        entry = {"description": description or f"user pair {name}", "k": k, "ctx": ctx, "target": target.to_dict()}
+        if draft is not None:
+            entry["draft"] = draft.to_dict()
+        data.setdefault("pairs", {})[name] = entry
+
+    path = user_pairs_file()
+    config.update_file(path, upd)
+    return path
+
+
+def looks_like_path(s: str) -> bool:
+    return s.endswith(".gguf") or os.sep in s or s.startswith((".", "~")) or Path(s).is_file()
