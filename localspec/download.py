@@ -110,14 +110,18 @@ def ensure(spec: FileSpec, *, quiet: bool = False, console=None) -> Path:
             "pull it while online, or pass a local GGUF path with -m"
         )
     tried = []
-    try:
-        return _from_hub(spec, quiet=quiet, console=console)
-    except DownloadError:
-        raise
-    except KeyboardInterrupt:
-        raise
-    except Exception as exc:  # unreachable hub, 404, auth: fall through to the mirrors
-        tried.append(f"hub ({type(exc).__name__})")
+    reach = hub_reachable()
+    if reach is not True:
+        tried.append(f"hub ({reach})")
+    else:
+        try:
+            return _from_hub(spec, quiet=quiet, console=console)
+        except DownloadError:
+            raise
+        except KeyboardInterrupt:
+            raise
+        except Exception as exc:  # 404, auth, dropped connection: fall through to the mirrors
+            tried.append(f"hub ({type(exc).__name__})")
     for m in spec.mirrors:
         try:
             return _from_mirror(spec, m, quiet=quiet, console=console)
@@ -131,6 +135,22 @@ def ensure(spec: FileSpec, *, quiet: bool = False, console=None) -> Path:
         f"could not download {spec.label}: tried {', '.join(tried)}; "
         "check the network, or use HF_HUB_OFFLINE=1 with a cached file, or pass a local GGUF path with -m"
     )
+
+
+def hub_reachable(timeout: float = 3.0):
+    """True, or why not: a quick TCP connect to the endpoint instead of the hub client's long retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+        return True
+    except OSError as exc:
+        return f"unreachable: {exc.strerror or exc}"
 
 
 def _mirror_sha_for(spec: FileSpec, path: Path) -> str | None:
@@ -191,6 +211,9 @@ def _disk_full(exc: OSError, partial: list[Path], need: int | None) -> DownloadE
 
 def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its retry warnings would break our progress display
 
     kwargs = dict(repo_id=spec.repo, filename=spec.file, revision=spec.revision)
     try:
