@@ -117,10 +117,14 @@ def build_gen_config(s: dict, pair, stop: list[str] | None, target_path: Path):
     tuned = tuned_for(pair.name if pair else target_path.name)
     if k is None:
         k = tuned.get("k") or (pair.k if pair else 4)
-    if "p_min" in tuned and config.resolve()["p_min"].source == "default":
+    sources = config.resolve()
+    if "p_min" in tuned and sources["p_min"].source == "default":
         p_min = tuned["p_min"]
+    method = s["method"]
+    if tuned.get("method") and sources["method"].source == "default" and method == "auto" and tuned["method"] != "auto":
+        method = tuned["method"]  # `localspec tune` measured this pair on this machine
     return GenConfig(
-        method=s["method"],
+        method=method,
         k=k,
         max_tokens=s["max_tokens"],
         stop=stop or (),

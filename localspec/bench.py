@@ -1,0 +1,461 @@
+"""`localspec bench` and `localspec tune`: the same prompts with and without speculation, interleaved
+(baseline, config, baseline, config, ...) so drift hits both; per-prompt speedup ratios; exactness check."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .engine import Engine, GenConfig
+from .errors import UsageError
+from .sampling import SamplingParams
+
+CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    method: str
+    k: int = 0
+    p_min: float | None = None
+
+    @property
+    def label(self) -> str:
+        if self.method == "none":
+            return "none"
+        s = f"{self.method} k={self.k}"
+        return s + (f" p={self.p_min:g}" if self.p_min is not None else "")
+
+
+BASELINE = BenchConfig("none", 0)
+
+
+@dataclass
+class RunResult:
+    prompt_id: str
+    category: str
+    config: str
+    method: str
+    k: int
+    repeat: int
+    tokens_per_second: float
+    latency_s: float
+    ttft_s: float
+    completion_tokens: int
+    drafted: int
+    accepted: int
+    acceptance_rate: float
+    mean_accepted_length: float
+    draft_s: float
+    verify_s: float
+    target_passes: int
+    speedup: float | None = None  # vs the baseline run right before it
+    exact: bool | None = None  # temperature 0: same tokens as the baseline
+    mismatch_pos: int | None = None
+    mismatch_margin: float | None = None
+    tokens: list[int] = field(default_factory=list, repr=False)
+
+
+# ------------------------------------------------------------------ prompts
+def load_prompts(path: Path | None = None, categories: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
+    if path is None:
+        text = (resources.files("localspec") / "data" / "bench_prompts.jsonl").read_text()
+        where = "built-in prompts"
+    else:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise UsageError(f"cannot read prompts file {path}: {exc.strerror}") from None
+        where = str(path)
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+            if not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+                raise ValueError("missing 'prompt'")
+        except ValueError as exc:
+            raise UsageError(f"{where} line {i}: {exc}") from None
+        d.setdefault("id", f"p{i}")
+        d.setdefault("category", "default")
+        out.append(d)
+    if categories:
+        out = [d for d in out if d["category"] in categories]
+    if limit:
+        seen: dict[str, int] = {}
+        kept = []
+        for d in out:
+            seen[d["category"]] = seen.get(d["category"], 0) + 1
+            if seen[d["category"]] <= limit:
+                kept.append(d)
+        out = kept
+    if not out:
+        raise UsageError(f"no prompts selected from {where}")
+    return out
+
+
+def parse_configs(methods: str, ks: str, p_mins: str | None = None, has_draft: bool = True) -> list[BenchConfig]:
+    try:
+        k_list = [int(x) for x in ks.split(",") if x.strip()]
+        p_list = [float(x) for x in p_mins.split(",")] if p_mins else [None]
+    except ValueError:
+        raise UsageError(f"--k must be comma-separated integers, got {ks!r}") from None
+    out = []
+    for m in [x.strip() for x in methods.split(",") if x.strip()]:
+        if m not in ("none", "draft", "lookup", "auto"):
+            raise UsageError(f"unknown method {m!r} in --methods")
+        if m == "none":
+            continue  # the baseline always runs
+        if m == "draft" and not has_draft:
+            continue
+        if any(k < 1 or k > 64 for k in k_list):
+            raise UsageError(f"k must be between 1 and 64, got {ks}")
+        if m == "auto":  # auto picks k itself, up to the largest k given
+            out.append(BenchConfig("auto", max(k_list)))
+            continue
+        for k in k_list:
+            out.extend(BenchConfig(m, k, p) for p in (p_list if m == "draft" else [None]))
+    return out
+
+
+# ------------------------------------------------------------------ arithmetic
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100), numpy's default."""
+    if not values:
+        return float("nan")
+    return float(np.percentile(np.asarray(values, dtype=float), q))
+
+
+def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
+    """Leviathan et al. (2023): expected speedup for acceptance alpha, k drafts, draft cost c (per draft
+    token, relative to one target token) and verify cost t_ratio = T(k+1)/T(1)."""
+    if k == 0:
+        return 1.0
+    e = (k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return e / (k * c + t_ratio)
+
+
+def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
+    """Measured verify-cost curve T(b)/T(1) of the target and the draft's per-token cost c."""
+    tgt = engine.target
+    tgt.clear()
+    ctx = tgt.tokenize("def main():\n    print('hello world')\n" * 8)
+    tgt.decode(ctx)
+    base = len(tgt.tokens)
+    curve = {}
+    for b in range(1, max_batch + 1):
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            tgt.decode(ctx[:b] if b <= len(ctx) else (ctx * b)[:b], "all")
+            ts.append(time.perf_counter() - t)
+            tgt.truncate(base)
+        curve[b] = statistics.median(ts)
+    c = 0.0
+    if engine.draft is not None:
+        d = engine.draft
+        d.clear()
+        d.decode(ctx)
+        dbase = len(d.tokens)
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            d.decode(ctx[:1], "last")
+            ts.append(time.perf_counter() - t)
+            d.truncate(dbase)
+        c = statistics.median(ts) / curve[1]
+        d.clear()
+    tgt.clear()
+    return {"t": curve, "ratio": {b: v / curve[1] for b, v in curve.items()}, "c": c}
+
+
+# ------------------------------------------------------------------ running
+def _margin_at(engine: Engine, prompt: list[int], prefix: list[int]) -> float:
+    logits = engine.target.sync(prompt + prefix)
+    top2 = np.partition(logits, -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
+def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed) -> tuple:
+    gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens,
+                   sampling=SamplingParams(temperature=temperature, seed=seed),
+                   **({"p_min": cfg.p_min} if cfg.p_min is not None else {}))
+    fin = engine.complete(tokens, gc)
+    return fin.tokens, fin.stats
+
+
+def run_bench(
+    engine: Engine,
+    prompts: list[dict],
+    configs: list[BenchConfig],
+    *,
+    max_tokens: int = 128,
+    repeat: int = 1,
+    temperature: float = 0.0,
+    on_run: Callable[[RunResult], None] | None = None,
+) -> list[RunResult]:
+    results: list[RunResult] = []
+
+    def record(p, cfg, r, toks, st, base=None):
+        rr = RunResult(
+            prompt_id=p["id"], category=p["category"], config=cfg.label, method=cfg.method, k=cfg.k, repeat=r,
+            tokens_per_second=st.tokens_per_second, latency_s=st.elapsed_s, ttft_s=st.ttft_s,
+            completion_tokens=st.completion_tokens, drafted=st.drafted, accepted=st.accepted,
+            acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
+            draft_s=st.draft_s, verify_s=st.verify_s, target_passes=st.target_passes, tokens=toks,
+        )
+        if base is not None:
+            rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
+            if temperature == 0.0:
+                rr.exact = toks == base.tokens
+        results.append(rr)
+        if on_run:
+            on_run(rr)
+        return rr
+
+    for p in prompts:
+        tokens = engine.chat_prompt([{"role": "user", "content": p["prompt"]}])
+        if len(tokens) + max_tokens + 1 > engine.target.n_ctx:
+            raise UsageError(f"prompt {p['id']} ({len(tokens)} tokens) + {max_tokens} does not fit the context; use -c")
+        engine.complete(tokens, GenConfig(method="none", max_tokens=1))  # warm the prompt cache: all runs start equal
+        for r in range(repeat):
+            seed = 1000 + r
+            for cfg in configs:
+                btoks, bst = _one(engine, tokens, BASELINE, max_tokens, temperature, seed)
+                base = record(p, BASELINE, r, btoks, bst)
+                toks, st = _one(engine, tokens, cfg, max_tokens, temperature, seed)
+                rr = record(p, cfg, r, toks, st, base)
+                if rr.exact is False:
+                    pos = next((i for i, (a, b) in enumerate(zip(toks, btoks)) if a != b), min(len(toks), len(btoks)))
+                    rr.mismatch_pos = pos
+                    rr.mismatch_margin = _margin_at(engine, tokens, btoks[:pos])
+    return results
+
+
+# ------------------------------------------------------------------ report
+def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]:
+    """One row per (config, category), plus category 'all'."""
+    rows = []
+    keys = []
+    for r in results:
+        for cat in (r.category, "all"):
+            if (r.config, cat) not in keys:
+                keys.append((r.config, cat))
+    for config, cat in keys:
+        rs = [r for r in results if r.config == config and (cat == "all" or r.category == cat)]
+        tps = [r.tokens_per_second for r in rs]
+        lat = [r.latency_s for r in rs]
+        sp = [r.speedup for r in rs if r.speedup is not None]
+        drafted = sum(r.drafted for r in rs)
+        accepted = sum(r.accepted for r in rs)
+        passes = sum(r.target_passes for r in rs)
+        alpha = accepted / drafted if drafted else 0.0
+        exact = [r.exact for r in rs if r.exact is not None]
+        row = {
+            "config": config, "category": cat, "runs": len(rs), "method": rs[0].method, "k": rs[0].k,
+            "tps_median": statistics.median(tps), "tps_p95": percentile(tps, 95),
+            "latency_p50": percentile(lat, 50), "latency_p95": percentile(lat, 95),
+            "ttft_median": statistics.median(r.ttft_s for r in rs),
+            "acceptance_rate": alpha,
+            "mean_accepted_length": (accepted + passes) / passes if passes else 0.0,
+            "speedup_median": statistics.median(sp) if sp else None,
+            "exact": all(exact) if exact else None,
+            "mismatches": [{"prompt": r.prompt_id, "repeat": r.repeat, "position": r.mismatch_pos, "margin": r.mismatch_margin}
+                           for r in rs if r.exact is False],
+            "ideal_speedup": None, "measured_over_ideal": None,
+        }
+        if calib and row["method"] in ("draft", "lookup") and drafted:
+            k = row["k"]
+            c = calib["c"] if row["method"] == "draft" else 0.0
+            ratio = calib["ratio"].get(k + 1)
+            if ratio:
+                ideal = ideal_speedup(alpha, k, c, ratio)
+                row["ideal_speedup"] = ideal
+                if row["speedup_median"]:
+                    row["measured_over_ideal"] = row["speedup_median"] / ideal
+        rows.append(row)
+    return rows
+
+
+def bars(rows: list[dict], width: int = 30) -> str:
+    """Terminal bar chart of median speedup per config, per category."""
+    out = []
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
+    top = max((r["speedup_median"] or 0) for r in rows) or 1.0
+    for cat in cats:
+        out.append(cat)
+        for r in rows:
+            if r["category"] != cat or r["speedup_median"] is None:
+                continue
+            n = int(round(width * r["speedup_median"] / max(top, 1.0)))
+            one = int(round(width * 1.0 / max(top, 1.0)))
+            bar = "".join("█" if i < n else " " for i in range(width))
+            bar = bar[:one] + "│" + bar[one:]
+            out.append(f"  {r['config']:<18} {bar} {r['speedup_median']:.2f}x")
+    return "\n".join(out)
+
+
+def print_report(rows: list[dict], console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console(stderr=True)
+    t = Table(title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
+    for col in ("config", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept", "len",
+                "speedup", "ideal", "meas/ideal", "exact"):
+        t.add_column(col, justify="right" if col not in ("config", "category") else "left")
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    for r in rows:
+        t.add_row(r["config"], r["category"], f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
+                  f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
+                  f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
+                  f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"),
+                  {True: "yes", False: "[red]NO[/red]", None: "-"}[r["exact"]])
+    console.print(t)
+    console.print(bars([r for r in rows if r["method"] != "none"]))
+    for r in rows:
+        for m in r["mismatches"]:
+            kind = "near-tie (floating point across batch shapes)" if m["margin"] is not None and m["margin"] < 1e-2 else "BUG"
+            console.print(f"[red]mismatch[/red] {r['config']} on {m['prompt']}: first different token at {m['position']}, "
+                          f"target top-2 margin there {m['margin']:.4g} -> {kind}")
+
+
+def write_json(path: Path, rows, results, calib, meta) -> None:
+    data = {"meta": meta, "calibration": calib, "summary": rows,
+            "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results]}
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+def write_csv(path: Path, results) -> None:
+    fields = [k for k in asdict(results[0]) if k != "tokens"]
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            w.writerow({k: v for k, v in asdict(r).items() if k != "tokens"})
+
+
+def plot_png(path: Path, rows) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UsageError("--plot needs matplotlib: pip install 'localspec[plot]'") from None
+    cats = [c for c in dict.fromkeys(r["category"] for r in rows if r["category"] != "all")]
+    configs = [c for c in dict.fromkeys(r["config"] for r in rows if r["method"] != "none")]
+    fig, ax = plt.subplots(figsize=(max(6, len(cats) * 1.5), 4))
+    w = 0.8 / max(1, len(configs))
+    for i, cfg in enumerate(configs):
+        vals = [next((r["speedup_median"] or 0 for r in rows if r["config"] == cfg and r["category"] == c), 0) for c in cats]
+        ax.bar([j + i * w for j in range(len(cats))], vals, w, label=cfg)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cats))], cats)
+    ax.set_ylabel("speedup vs plain")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _check_out(path: Path | None) -> None:
+    if path is not None and Path(path).exists() and not sys.stdin.isatty():
+        raise UsageError(f"{path} exists; refusing to overwrite it (remove it or choose another name)")
+    if path is not None and Path(path).exists():
+        import typer
+
+        if not typer.confirm(f"{path} exists. Overwrite?", err=True):
+            raise UsageError(f"{path} exists; not overwritten")
+
+
+# ------------------------------------------------------------------ CLI glue
+def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categories, limit, json_out, csv_out, plot):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from .cli import load_engine
+
+    for p in (json_out, csv_out, plot):
+        _check_out(p)
+    if repeat < 1 or max_tokens < 1:
+        raise UsageError("--repeat and --max-tokens must be >= 1")
+    ps = load_prompts(prompts, categories.split(",") if categories else None, limit)
+    console = Console(stderr=True)
+    engine, pair, target, draft = load_engine(s, quiet=False, announce=console.print)
+    try:
+        configs = parse_configs(methods, ks, has_draft=engine.draft is not None)
+        if not configs:
+            raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
+        calib = calibrate(engine, max(c.k for c in configs) + 1)
+        total = len(ps) * repeat * len(configs) * 2
+        with Progress(console=console, transient=True) as prog:
+            task = prog.add_task("benchmarking", total=total)
+            results = run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
+                                on_run=lambda r: prog.advance(task))
+        rows = summarize(results, calib)
+        print_report(rows, Console())
+        meta = {"target": target.name, "draft": draft.name if draft else None, "max_tokens": max_tokens,
+                "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
+                "configs": [c.label for c in configs], "prompts": len(ps)}
+        if json_out:
+            write_json(json_out, rows, results, calib, meta)
+        if csv_out:
+            write_csv(csv_out, results)
+        if plot:
+            plot_png(plot, rows)
+        return rows
+    finally:
+        engine.close()
+
+
+def choose_best(rows: list[dict]) -> dict:
+    """The config with the best median tokens/s over the sample ('all' rows)."""
+    alls = [r for r in rows if r["category"] == "all"]
+    return max(alls, key=lambda r: r["tps_median"])
+
+
+def cli_tune(s, *, prompts, ks, p_mins, max_tokens, limit):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import config as C
+    from .cli import load_engine
+
+    ps = load_prompts(prompts, None, limit)
+    console = Console(stderr=True)
+    engine, pair, target, draft = load_engine(s, quiet=False, announce=console.print)
+    try:
+        methods = "draft,lookup" if engine.draft is not None else "lookup"
+        configs = parse_configs(methods, ks, p_mins, has_draft=engine.draft is not None)
+        with Progress(console=console, transient=True) as prog:
+            task = prog.add_task("tuning", total=len(ps) * len(configs) * 2)
+            results = run_bench(engine, ps, configs, max_tokens=max_tokens, on_run=lambda r: prog.advance(task))
+        rows = summarize(results)
+        best = choose_best(rows)
+        key = pair.name if pair else target.name
+        entry = {"method": best["method"], "k": best["k"], "tokens_per_second": round(best["tps_median"], 2),
+                 "speedup": round(best["speedup_median"], 3) if best["speedup_median"] else 1.0,
+                 "tuned_at": time.strftime("%Y-%m-%d %H:%M")}
+        cfg_label = best["config"]
+        if cfg_label.startswith("draft") and " p=" in cfg_label:
+            entry["p_min"] = float(cfg_label.split(" p=")[1])
+        C.update_file(C.config_file(), lambda d: d.setdefault("tuned", {}).__setitem__(key, entry))
+        if best["method"] == "none":
+            console.print(f"speculation does not pay on this machine for {key}: plain decoding measured fastest "
+                          f"({best['tps_median']:.1f} tok/s); stored method=none")
+        else:
+            console.print(f"chose {cfg_label} for {key}: {best['tps_median']:.1f} tok/s, "
+                          f"{entry['speedup']:.2f}x plain (median of per-prompt ratios); stored in {C.config_file()}")
+        return entry
+    finally:
+        engine.close()
