@@ -118,6 +118,7 @@ class Model:
                 raise ModelLoadError(f"not a GGUF file (bad magic): {self.path}")
         mparams = ll.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
+        self.n_gpu_layers = int(n_gpu_layers)
         if os.environ.get("LOCALSPEC_NO_REPACK"):
             # work-around for CPUs where the native build's AMX path crashes (see README)
             mparams.use_extra_bufts = False

@@ -133,6 +133,7 @@ class Engine:
         self._draft_drafter: DraftModelDrafter | None = None
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
+        self._exact: dict[int, int] = {}
         self.last_stats: Stats | None = None
         if draft is not None:
             check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
@@ -213,10 +214,21 @@ class Engine:
             return "auto"
         return cfg.method
 
+    def exact_k(self, k: int) -> int:
+        """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding."""
+        if k <= 0:
+            return 0
+        if k not in self._exact:
+            from .exactness import max_exact_batch
+
+            self._exact[k] = min(k, max_exact_batch(self.target, k + 1) - 1)
+        return self._exact[k]
+
     def make_policy(self, cfg: GenConfig):
         method = self.resolve_method(cfg)
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
-        if method == "none" or cfg.k == 0:
+        k = self.exact_k(cfg.k) if method != "none" else 0
+        if method == "none" or k == 0:
             return FixedPolicy(None, 0), "none"
         if adaptive:
             from .controller import AdaptivePolicy
@@ -228,11 +240,11 @@ class Engine:
                 drafters["draft"] = self.draft_drafter(cfg)
             if self.controller_state is None:
                 self.controller_state = {}
-            return AdaptivePolicy(drafters, cfg.k, self.controller_state), method
+            return AdaptivePolicy(drafters, k, self.controller_state), method
         if method == "auto":
             method = "draft" if self.draft is not None else "lookup"
         drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)
-        return FixedPolicy(drafter, cfg.k), method
+        return FixedPolicy(drafter, k), method
 
     # ------------------------------------------------------------- decoding
     def generate(
@@ -249,6 +261,9 @@ class Engine:
         rng = np.random.default_rng(sp.seed)
         policy, method = self.make_policy(cfg)
         stats = self.last_stats = Stats(method=method)
+        stats.k_cap = self.exact_k(cfg.k) if method != "none" else 0
+        if method != "none" and stats.k_cap < cfg.k:
+            stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise UsageError("empty prompt")
@@ -338,7 +353,7 @@ class Engine:
                         break
         finally:
             stats.elapsed_s = time.perf_counter() - t0
-            stats.reason = policy.reason()
+            stats.reason = "; ".join(x for x in (stats.reason, policy.reason()) if x)
         tail = text.flush()
         if tail:
             yield Piece(tail, -1, False)

@@ -24,6 +24,7 @@ class Stats:
     elapsed_s: float = 0.0
     k_used: Counter = field(default_factory=Counter)  # k chosen per step (adaptive controller)
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
+    k_cap: int = 0  # largest k whose verify batch is bit-exact (see exactness.py)
     reason: str = ""  # why the controller chose what it did, e.g. "auto -> none: draft 0.91x"
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:

@@ -15,6 +15,13 @@ MIN_MARGIN = 0.05  # plain greedy's top-2 logit margin over the test length; bat
 REAL_MODELS = Path(os.environ.get("LOCALSPEC_TEST_MODELS", Path.home() / ".cache" / "localspec-test-models"))
 
 
+def pytest_configure(config):
+    # keep the tests' caches (exact-batch probes, downloads) out of the user's cache dir
+    import tempfile
+
+    os.environ.setdefault("LOCALSPEC_CACHE_DIR", tempfile.mkdtemp(prefix="localspec-test-cache-"))
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")

@@ -44,7 +44,8 @@ def test_draft_equals_plain(engine, self_engine, plain, k, which):
         assert r.stats.drafted > 0
         if which == "self":
             assert r.stats.accepted == r.stats.drafted  # the target drafting for itself: 100%
-            assert r.stats.mean_accepted_length > k  # k accepted + 1 bonus per pass (less at the end)
+            assert r.stats.mean_accepted_length > r.stats.k_cap  # k accepted + 1 bonus per pass (less at the end)
+        assert r.stats.k_cap == e.exact_k(k) and 1 <= r.stats.k_cap <= k
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
@@ -222,5 +223,47 @@ def test_sampled_speculation_matches_plain_distribution(target_path, draft_path)
         dof = len(keys) - 1
         assert dof >= 3
         assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+    finally:
+        e.close()
+
+
+def test_exact_batch_probe_caps_k(target_path, plain):
+    """k is capped so that verify batches are bit-identical to one-token decodes; the probe measures it."""
+    from localspec.exactness import probe
+
+    with Model(target_path, n_ctx=512) as m:
+        best = probe(m, 9)
+        assert 1 <= best <= 9
+        ids = m.tokenize("the cat")
+        m.decode(ids)
+        assert m.tokens == ids  # the probe leaves the cache as it found it
+    e = Engine.load(target_path, target_path, n_ctx=1024)
+    try:
+        assert e.exact_k(8) == min(8, best - 1)
+        r = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="draft", k=8, max_tokens=40, p_min=0))
+        assert max(r.stats.k_used) <= e.exact_k(8)
+        if e.exact_k(8) < 8:
+            assert "k capped" in r.stats.reason
+    finally:
+        e.close()
+
+
+def test_large_k_uncapped_still_exact_with_wide_margins(target_path, plain, monkeypatch):
+    """LOCALSPEC_ALLOW_INEXACT=1 lifts the cap: big verify batches (k = 8) on the wide-margin test model
+    still give plain decoding's tokens, exercising long rollbacks."""
+    monkeypatch.setenv("LOCALSPEC_ALLOW_INEXACT", "1")
+    e = Engine.load(target_path, target_path, n_ctx=1024)
+    try:
+        for p in PROMPTS:
+            r = e.complete(e.raw_prompt(p), GenConfig(method="draft", k=8, max_tokens=N_EXACT, p_min=0))
+            assert r.tokens == plain[p]
+            assert r.stats.k_cap == 8 and r.stats.mean_accepted_length > 8
+        low = Engine.load(target_path, e.target.path.parent / "draft.gguf", n_ctx=1024)
+        try:
+            for p in PROMPTS:
+                assert low.complete(low.raw_prompt(p), GenConfig(method="draft", k=8, max_tokens=N_EXACT, p_min=0)).tokens == plain[p]
+                assert low.complete(low.raw_prompt(p), GenConfig(method="lookup", k=8, max_tokens=N_EXACT)).tokens == plain[p]
+        finally:
+            low.close()
     finally:
         e.close()
