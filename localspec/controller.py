@@ -19,6 +19,7 @@ PRIOR_WEIGHT = 2.0
 PRIOR_ALPHA = {"lookup": 0.5, "draft": 0.6}
 PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimistic: gets tried, then learnt)
 PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
+EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
 
 
 @dataclass
@@ -29,11 +30,23 @@ class DrafterEstimate:
     prior_alpha: float = 0.5
 
     def alpha(self, i: int) -> float:
+        """Acceptance at position i given all earlier drafts were accepted. The prior for position i is the
+        estimate at i - 1, so a position never tried yet inherits what was measured before it."""
+        prior = self.prior_alpha if i == 0 else self.alpha(i - 1)
         a = self.acc[i] if i < len(self.acc) else 0.0
         d = self.tried[i] if i < len(self.tried) else 0.0
-        return (a + self.prior_alpha * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
+        return (a + prior * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
 
-    def observe(self, n_drafted: int, n_accepted: int, t_draft: float) -> None:
+    def alphas(self, n: int) -> list[float]:
+        out, prior = [], self.prior_alpha
+        for i in range(n):
+            a = self.acc[i] if i < len(self.acc) else 0.0
+            d = self.tried[i] if i < len(self.tried) else 0.0
+            prior = (a + prior * PRIOR_WEIGHT) / (d + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+    def observe(self, n_drafted: int, n_accepted: int, t_draft: float | None) -> None:
         # position i was tried when drafted and every earlier draft was accepted
         last = min(n_accepted, n_drafted - 1)
         while len(self.tried) <= last:
@@ -42,6 +55,8 @@ class DrafterEstimate:
         for i in range(last + 1):
             self.tried[i] = self.tried[i] * DECAY + 1.0
             self.acc[i] = self.acc[i] * DECAY + (1.0 if i < n_accepted else 0.0)
+        if t_draft is None:  # this step's draft time included catching up with the prompt: not a per-token cost
+            return
         per = t_draft / max(n_drafted, 1)
         self.t_token = per if self.t_token is None else 0.8 * self.t_token + 0.2 * per
 
@@ -78,8 +93,9 @@ def best_k(est: DrafterEstimate, curve: VerifyCurve, k_max: int, t_draft_token: 
     """(k, expected tokens/s) maximising E[tokens|k] / cost(k) over k in 1..k_max."""
     best = (0, 0.0)
     e, run = 1.0, 1.0
+    alphas = est.alphas(k_max)
     for k in range(1, k_max + 1):
-        run *= est.alpha(k - 1)
+        run *= alphas[k - 1]
         e += run
         c = curve.cost(k + 1)
         if c is None or c <= 0:
@@ -93,8 +109,11 @@ def best_k(est: DrafterEstimate, curve: VerifyCurve, k_max: int, t_draft_token: 
 class AdaptivePolicy:
     """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
 
-    def __init__(self, drafters: dict, k_max: int, state: dict | None = None) -> None:
+    def __init__(self, drafters: dict, k_max: int, state: dict | None = None, cost_prior: dict | None = None) -> None:
+        """cost_prior: drafter name -> draft cost per token relative to one target step, used until measured
+        (for a draft model, its file size over the target's: decoding is memory-bound)."""
         self.drafters = drafters
+        self.cost_prior = cost_prior or {}
         self.k_max = max(1, k_max)
         st = state if state is not None else {}
         st.setdefault("curve", VerifyCurve())
@@ -112,6 +131,12 @@ class AdaptivePolicy:
         t1 = self.curve.t.get(1)
         return 1.0 / t1 if t1 else None
 
+    def _t_token(self, name: str, plain: float) -> float:
+        est = self.est[name]
+        if est.t_token is not None:
+            return est.t_token
+        return self.cost_prior.get(name, 0.0 if name == "lookup" else 0.5) / plain
+
     def choose(self, context: Sequence[int]):
         self.step += 1
         plain = self._plain_rate()
@@ -121,32 +146,33 @@ class AdaptivePolicy:
         options = []
         for name, drafter in self.drafters.items():
             est = self.est[name]
+            k_cap = self.k_max
             if name == "lookup":
                 proposal, _ = drafter.match(context, self.k_max)
                 if not proposal:
                     continue  # no match: lookup has nothing to offer this step
-                t_tok = est.t_token or 0.0
                 k_cap = len(proposal)
-            else:
-                t_tok = est.t_token if est.t_token is not None else 0.5 * (1.0 / plain)
-                k_cap = self.k_max
-            k, rate = best_k(est, self.curve, min(self.k_max, k_cap), t_tok)
+            t_tok = self._t_token(name, plain)
+            k, rate = best_k(est, self.curve, k_cap, t_tok)
             if k:
-                options.append((rate, name, k))
+                options.append((rate, name, k, k_cap, t_tok))
         options.sort(reverse=True)
         if options and options[0][0] > plain:
-            rate, name, k = options[0]
+            rate, name, k, k_cap, _ = options[0]
+            if self.step % EXPLORE_EVERY == 0 and k < k_cap:
+                k += 1  # keep measuring the next position's acceptance
             self.last_choice = (name, k, rate / plain)
             return self.drafters[name], k
-        # speculation does not pay right now; probe a drafter that has not run for a while
-        for name in self.drafters:
-            if self.since_used[name] >= PROBE_EVERY:
-                opts = [o for o in options if o[1] == name]
-                k = opts[0][2] if opts else (2 if name == "draft" else 0)
-                if k:
-                    self.since_used[name] = 0
-                    self.last_choice = (name, k, opts[0][0] / plain if opts else 0.0)
-                    return self.drafters[name], k
+        # speculation does not pay right now; probe a drafter now and then, if it could win at all
+        for rate, name, k, k_cap, t_tok in options:
+            if self.since_used[name] < PROBE_EVERY:
+                continue
+            c = self.curve.cost(k + 1)
+            if c is None or (k + 1) / (k * t_tok + c) <= plain:
+                continue  # even with every draft accepted it would lose on this machine
+            self.since_used[name] = 0
+            self.last_choice = (name, k, rate / plain)
+            return self.drafters[name], k
         self.last_choice = ("none", 0, 1.0)
         return None, 0
 
@@ -167,8 +193,7 @@ class AdaptivePolicy:
         for name, est in self.est.items():
             if name not in self.drafters:
                 continue
-            t_tok = est.t_token if est.t_token is not None else (0.0 if name == "lookup" else 0.5 / plain)
-            k, rate = best_k(est, self.curve, self.k_max, t_tok)
+            k, rate = best_k(est, self.curve, self.k_max, self._t_token(name, plain))
             out[name] = (k, rate / plain)
         return out
 

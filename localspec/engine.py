@@ -240,7 +240,10 @@ class Engine:
                 drafters["draft"] = self.draft_drafter(cfg)
             if self.controller_state is None:
                 self.controller_state = {}
-            return AdaptivePolicy(drafters, k, self.controller_state), method
+            cost_prior = {"lookup": 0.0}
+            if self.draft is not None:
+                cost_prior["draft"] = self.draft.size_bytes() / max(self.target.size_bytes(), 1)
+            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior), method
         if method == "auto":
             method = "draft" if self.draft is not None else "lookup"
         drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)
@@ -336,7 +339,8 @@ class Engine:
                 else:
                     stats.method_used["none"] += 1
                 stats.k_used[k if drafter is not None else 0] += 1
-                policy.observe(drafter, k, gamma, n_acc, tv - td, te - tv)
+                caught_up = drafter is not None and getattr(drafter, "last_sync_s", 0.0) > 0.0
+                policy.observe(drafter, k, gamma, n_acc, None if caught_up else tv - td, te - tv)
                 new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
                 for tok, drafted in new:
                     if target.is_eog(tok):

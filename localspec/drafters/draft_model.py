@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -18,9 +19,12 @@ class DraftModelDrafter(Drafter):
         self.n_vocab = n_vocab_target
         self.p_min = p_min
 
+    last_sync_s: float = 0.0  # time the last propose() spent catching up with the context (prompt included)
+
     def begin(self, context: Sequence[int]) -> None:
-        # decode the prompt now (counted as prompt time), reusing the common prefix of the last turn
-        self.model.sync(context)
+        # lazy: the prompt is decoded at the first propose(), so a controller that never picks the draft
+        # model never pays for it (its sync time is reported apart from the per-token draft cost)
+        pass
 
     def _row(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits restricted to the target's vocabulary (a token the target lacks is never proposed)."""
@@ -37,7 +41,9 @@ class DraftModelDrafter(Drafter):
         k = min(k, max(room, 0))
         if k <= 0:
             return Proposal()
+        t0 = time.perf_counter()
         logits = self.model.sync(context)
+        self.last_sync_s = time.perf_counter() - t0 if len(context) - self.model.reused > 2 else 0.0
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(k):
