@@ -1,0 +1,1 @@
+"""The `localspec chat` terminal UI (Textual)."""

@@ -1,0 +1,414 @@
+"""The chat app. Generation runs in a thread worker that only posts messages and checks cancellation;
+`create_app` is the one factory shared by the CLI and the tests."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.command import Hit, Hits, Provider
+from textual.containers import Horizontal, Vertical
+from textual.message import Message
+from textual.screen import ModalScreen
+from textual.widgets import Button, Footer, Label, LoadingIndicator
+
+from ..errors import LocalspecError, UsageError
+from .widgets.header_bar import HeaderBar
+from .widgets.prompt_box import PromptBox
+from .widgets.stats_panel import StatsPanel
+from .widgets.transcript import Transcript
+
+HELP = """commands:
+  /method auto|draft|lookup|none   how to speculate
+  /k N                             draft tokens per step (auto: the most)
+  /temp F                          temperature (0 = greedy)
+  /system TEXT                     system prompt (empty: none)
+  /clear                           new conversation
+  /save PATH                       transcript as .md or .json (asks before overwriting)
+  /model NAME|PATH                 switch pair
+  /compare                         rerun the last prompt with plain decoding, show the speedup
+  /help                            this text
+keys: Enter send · Shift+Enter / Ctrl+J newline · Up history · Esc / Ctrl+C stop · F2 draft colours · Ctrl+Q quit"""
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    def __init__(self, question: str) -> None:
+        super().__init__()
+        self.question = question
+
+    def compose(self) -> ComposeResult:
+        with Vertical(id="confirm"):
+            yield Label(self.question)
+            with Horizontal():
+                yield Button("Yes", id="yes", variant="error")
+                yield Button("No", id="no", variant="primary")
+
+    @on(Button.Pressed)
+    def done(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class SlashCommands(Provider):
+    async def search(self, query: str) -> Hits:
+        matcher = self.matcher(query)
+        for line in HELP.splitlines()[1:10]:
+            cmd = line.split()[0]
+            score = matcher.match(cmd)
+            if score > 0:
+                yield Hit(score, matcher.highlight(cmd), lambda c=cmd: self.app.prefill(c + " "), help=line.strip())
+
+
+class LocalspecApp(App):
+    CSS_PATH = "localspec.tcss"
+    TITLE = "localspec"
+    COMMANDS = App.COMMANDS | {SlashCommands}
+    BINDINGS = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+c", "stop", "Stop", priority=True, show=False),
+        Binding("f2", "toggle_colors", "Draft colours"),
+        Binding("ctrl+q", "request_quit", "Quit", priority=True),
+    ]
+
+    class Loaded(Message):
+        def __init__(self, engine, name: str) -> None:
+            self.engine, self.name = engine, name
+            super().__init__()
+
+    class LoadFailed(Message):
+        def __init__(self, error: str) -> None:
+            self.error = error
+            super().__init__()
+
+    class Token(Message):
+        def __init__(self, view, text: str, drafted: bool, stats) -> None:
+            self.view, self.text, self.drafted, self.stats = view, text, drafted, stats
+            super().__init__()
+
+    class Done(Message):
+        def __init__(self, view, result, compare_with=None) -> None:
+            self.view, self.result, self.compare_with = view, result, compare_with
+            super().__init__()
+
+    class Failed(Message):
+        def __init__(self, view, error: str) -> None:
+            self.view, self.error = view, error
+            super().__init__()
+
+    def __init__(self, settings: dict, *, show_timings: bool = True, engine_loader=None) -> None:
+        super().__init__()
+        self.s = dict(settings)
+        self.show_timings = show_timings
+        self.engine = None
+        self.pair_name = _display_name(str(self.s.get("model")))
+        self.messages: list[dict] = []  # the conversation as the chat template sees it
+        self.generating = False
+        self.show_colors = True
+        self._cancel = threading.Event()
+        self._last_ui = 0.0
+        self._loader = engine_loader
+        self.last_result = None
+
+    # ------------------------------------------------------------------ layout
+    def compose(self) -> ComposeResult:
+        yield HeaderBar(id="header")
+        with Horizontal(id="main"):
+            with Vertical(id="left"):
+                yield Transcript(id="transcript")
+                yield LoadingIndicator(id="loading")
+                yield PromptBox(id="prompt")
+            yield StatsPanel(show_timings=self.show_timings, id="stats")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.refresh_header()
+        self.query_one(PromptBox).focus()
+        self.load_models(self.s["model"])
+
+    def refresh_header(self) -> None:
+        backend = "CPU"
+        if self.engine is not None and (self.engine.target.n_gpu_layers or 0) != 0:
+            backend = "GPU offload"
+        self.query_one(HeaderBar).show(self.pair_name, self.s.get("method") or "auto", self.current_k(),
+                                       float(self.s.get("temperature") or 0.0), backend, self.show_colors)
+
+    def current_k(self) -> int:
+        return int(self.s.get("draft_tokens") or 4)
+
+    # ------------------------------------------------------------------ loading
+    @work(thread=True, exclusive=True, group="load")
+    def load_models(self, model: str) -> None:
+        try:
+            if self._loader is not None:
+                engine = self._loader({**self.s, "model": model})
+            else:
+                from ..cli import load_engine
+
+                engine, pair, target, draft = load_engine({**self.s, "model": model}, quiet=True)
+                if pair is not None and not self.s.get("draft_tokens"):
+                    self.s["draft_tokens"] = pair.k
+            self.post_message(self.Loaded(engine, model))
+        except LocalspecError as exc:
+            self.post_message(self.LoadFailed(str(exc)))
+        except Exception as exc:  # a crash in loading must not take the app down
+            self.post_message(self.LoadFailed(f"{type(exc).__name__}: {exc}"))
+
+    def on_localspec_app_loaded(self, msg: Loaded) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = msg.engine
+        self.pair_name = _display_name(msg.name)
+        self.query_one("#loading").display = False
+        mem = {self.engine.target.name: self.engine.target.memory_bytes()}
+        if self.engine.draft is not None:
+            mem[self.engine.draft.name] = self.engine.draft.memory_bytes()
+        self.query_one(StatsPanel).set_memory(mem)
+        if self.engine.dropped_draft:
+            self.notify(f"{self.engine.dropped_draft}; using prompt lookup", severity="warning")
+        self.refresh_header()
+
+    def on_localspec_app_load_failed(self, msg: LoadFailed) -> None:
+        self.query_one("#loading").display = False
+        view = self.query_one(Transcript).add("error", f"could not load the model: {msg.error}")
+        view.add_class("error")
+        self.notify(msg.error, severity="error", timeout=10)
+
+    # ------------------------------------------------------------------ prompts and commands
+    def prefill(self, text: str) -> None:
+        box = self.query_one(PromptBox)
+        box.load_text(text)
+        box.focus()
+
+    @on(PromptBox.Submitted)
+    def submitted(self, event: PromptBox.Submitted) -> None:
+        text = event.text
+        if text.startswith("/"):
+            try:
+                self.run_slash(text)
+            except UsageError as exc:
+                self.notify(str(exc), severity="error")
+            return
+        if self.engine is None:
+            self.notify("the model is still loading (or failed to load)", severity="warning")
+            return
+        if self.generating:
+            self.notify("wait for the answer, or press Esc to stop it", severity="warning")
+            return
+        self.query_one(Transcript).add("user", text)
+        self.messages.append({"role": "user", "content": text})
+        self.start_generation(self.chat_messages())
+
+    def chat_messages(self) -> list[dict]:
+        sys_msg = [{"role": "system", "content": self.s["system"]}] if self.s.get("system") else []
+        return sys_msg + self.messages
+
+    def run_slash(self, text: str) -> None:
+        cmd, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if cmd == "/help":
+            self.query_one(Transcript).add("help", HELP)
+        elif cmd == "/method":
+            from ..engine import METHODS
+
+            if arg not in METHODS:
+                raise UsageError(f"/method takes one of {', '.join(METHODS)}")
+            self.s["method"] = arg
+        elif cmd == "/k":
+            if not arg.isdigit() or not 0 <= int(arg) <= 64:
+                raise UsageError("/k takes a number from 0 to 64")
+            self.s["draft_tokens"] = int(arg)
+        elif cmd == "/temp":
+            try:
+                t = float(arg)
+            except ValueError:
+                raise UsageError("/temp takes a number >= 0") from None
+            if not t >= 0 or t != t:
+                raise UsageError("/temp takes a number >= 0")
+            self.s["temperature"] = t
+        elif cmd == "/system":
+            self.s["system"] = arg or None
+            self.notify("system prompt " + ("set" if arg else "cleared"))
+        elif cmd == "/clear":
+            if self.generating:
+                raise UsageError("stop the answer first (Esc)")
+            self.messages.clear()
+            self.query_one(Transcript).clear_all()
+        elif cmd == "/save":
+            if not arg:
+                raise UsageError("/save takes a path ending in .md or .json")
+            self.save(Path(arg).expanduser())
+        elif cmd == "/model":
+            if not arg:
+                raise UsageError("/model takes a pair name or a GGUF path")
+            if self.generating:
+                raise UsageError("stop the answer first (Esc)")
+            self.query_one("#loading").display = True
+            self.load_models(arg)
+        elif cmd == "/compare":
+            self.compare()
+        else:
+            raise UsageError(f"unknown command {cmd}; /help lists them")
+        self.refresh_header()
+
+    # ------------------------------------------------------------------ generation
+    def gen_config(self, method: str | None = None):
+        from ..engine import GenConfig
+        from ..sampling import SamplingParams
+
+        s = self.s
+        return GenConfig(
+            method=method or s.get("method") or "auto",
+            k=self.current_k(),
+            max_tokens=int(s.get("max_tokens") or 512),
+            sampling=SamplingParams(temperature=float(s.get("temperature") or 0.0), top_k=int(s.get("top_k") or 0),
+                                    top_p=float(s.get("top_p") or 1.0), min_p=float(s.get("min_p") or 0.0), seed=s.get("seed")),
+            p_min=float(s.get("p_min") if s.get("p_min") is not None else 0.75),
+            lookup_min=int(s.get("lookup_min") or 2),
+            lookup_max=int(s.get("lookup_max") or 4),
+        )
+
+    def start_generation(self, messages: list[dict], method: str | None = None, compare_with=None) -> None:
+        try:
+            cfg = self.gen_config(method)
+        except UsageError as exc:
+            self.notify(str(exc), severity="error")
+            return
+        view = self.query_one(Transcript).add("assistant", show_colors=self.show_colors)
+        self.generating = True
+        self._cancel.clear()
+        self.generate(messages, cfg, view, compare_with)
+
+    @work(thread=True, exclusive=True, group="gen")
+    def generate(self, messages, cfg, view, compare_with) -> None:
+        from ..engine import Finished
+
+        try:
+            tokens = self.engine.chat_prompt(messages)
+            for ev in self.engine.generate(tokens, cfg, cancel=self._cancel):
+                if isinstance(ev, Finished):
+                    self.post_message(self.Done(view, ev, compare_with))
+                else:
+                    self.post_message(self.Token(view, ev.text, ev.drafted, self.engine.last_stats))
+        except LocalspecError as exc:
+            self.post_message(self.Failed(view, str(exc)))
+        except Exception as exc:
+            self.post_message(self.Failed(view, f"{type(exc).__name__}: {exc}"))
+
+    def on_localspec_app_token(self, msg: Token) -> None:
+        msg.view.append(msg.text, msg.drafted)
+        now = time.monotonic()
+        if now - self._last_ui > 0.1:
+            self._last_ui = now
+            self.query_one(StatsPanel).update_stats(msg.stats)
+            self.query_one(Transcript).scroll_end(animate=False)
+
+    def on_localspec_app_done(self, msg: Done) -> None:
+        self.generating = False
+        fin = msg.result
+        st = fin.stats
+        note = (f"{st.completion_tokens} tokens · {st.tokens_per_second:.1f} tok/s · accepted {st.acceptance_rate:.0%}"
+                if self.show_timings else f"{st.completion_tokens} tokens · accepted {st.acceptance_rate:.0%}")
+        if fin.finish_reason == "cancelled":
+            note = "stopped · " + note
+        if msg.compare_with is not None:
+            base = msg.compare_with
+            ratio = base.stats.tokens_per_second / st.tokens_per_second if st.tokens_per_second else 0.0
+            same = "identical" if fin.tokens == base.tokens else "different"
+            note = (f"compare: plain {st.tokens_per_second:.1f} tok/s vs {base.stats.method} "
+                    f"{base.stats.tokens_per_second:.1f} tok/s → speedup {ratio:.2f}x · output {same}")
+            if not self.show_timings:
+                note = f"compare: output {same}"
+        else:
+            self.messages.append({"role": "assistant", "content": fin.text})
+            self.last_result = fin
+        msg.view.finish(note)
+        self.query_one(StatsPanel).update_stats(st)
+        self.query_one(Transcript).scroll_end(animate=False)
+
+    def on_localspec_app_failed(self, msg: Failed) -> None:
+        self.generating = False
+        msg.view.finish(f"error: {msg.error}")
+        msg.view.add_class("error")
+        self.notify(msg.error, severity="error")
+
+    def compare(self) -> None:
+        if self.generating:
+            raise UsageError("wait for the answer first")
+        if self.last_result is None or len(self.messages) < 2:
+            raise UsageError("nothing to compare yet: ask something first")
+        # the conversation up to (not including) the last answer, rerun with plain decoding
+        self.start_generation(self.chat_messages()[:-1], method="none", compare_with=self.last_result)
+
+    # ------------------------------------------------------------------ actions
+    def action_stop(self) -> None:
+        if self.generating:
+            self._cancel.set()
+
+    def action_toggle_colors(self) -> None:
+        self.show_colors = not self.show_colors
+        for m in self.query_one(Transcript).messages():
+            m.set_colors(self.show_colors)
+        self.refresh_header()
+
+    def action_request_quit(self) -> None:
+        if not self.generating:
+            self.exit()
+            return
+
+        def answer(yes: bool | None) -> None:
+            if yes:
+                self._cancel.set()
+                self.exit()
+
+        self.push_screen(ConfirmScreen("An answer is being generated. Quit anyway?"), answer)
+
+    def on_unmount(self) -> None:
+        self._cancel.set()
+
+    # ------------------------------------------------------------------ saving
+    def transcript_data(self) -> dict:
+        return {"pair": self.pair_name, "settings": {k: self.s.get(k) for k in ("method", "draft_tokens", "temperature", "system")},
+                "messages": list(self.messages)}
+
+    def save(self, path: Path) -> None:
+        if path.suffix.lower() not in (".md", ".json"):
+            raise UsageError("/save writes .md or .json files")
+        data = self.transcript_data()
+        if path.suffix.lower() == ".json":
+            content = json.dumps(data, indent=1)
+        else:
+            parts = [f"# localspec chat ({self.pair_name})\n"]
+            for m in data["messages"]:
+                parts.append(f"## {m['role']}\n\n{m['content']}\n")
+            content = "\n".join(parts)
+
+        def write(ok: bool | None = True) -> None:
+            if not ok:
+                self.notify(f"{path} not overwritten")
+                return
+            try:
+                path.write_text(content)
+                self.notify(f"saved {path}")
+            except OSError as exc:
+                self.notify(f"cannot write {path}: {exc.strerror}", severity="error")
+
+        if path.exists():
+            self.push_screen(ConfirmScreen(f"{path} exists. Overwrite it?"), write)
+        else:
+            write()
+
+
+def _display_name(model: str) -> str:
+    """A pair name as is; a path as its file name."""
+    from ..registry import looks_like_path
+
+    return Path(model).name if looks_like_path(model) else model
+
+
+def create_app(settings: dict, *, show_timings: bool = True, engine_loader=None) -> LocalspecApp:
+    """The one app factory, used by `localspec chat` and by the tests."""
+    return LocalspecApp(settings, show_timings=show_timings, engine_loader=engine_loader)

@@ -1,0 +1,13 @@
+"""One line at the top: pair, method, k and backend."""
+
+from __future__ import annotations
+
+from textual.widgets import Static
+
+
+class HeaderBar(Static):
+    def show(self, pair: str, method: str, k: int, temperature: float, backend: str, colors: bool) -> None:
+        self.update(
+            f" localspec │ {pair} │ method {method} │ k {k} │ temp {temperature:g} │ {backend} │ "
+            f"draft colours {'on' if colors else 'off'} (F2)"
+        )

@@ -1,0 +1,181 @@
+"""`localspec chat`: Textual app driven with Pilot, plus a snapshot of the main screen."""
+
+import asyncio
+import json
+
+import pytest
+
+from localspec.tui.app import create_app
+from localspec.tui.widgets.message import MessageView
+from localspec.tui.widgets.stats_panel import StatsPanel
+from tinymodels import write_model
+
+SIZE = (120, 36)
+
+
+def settings(model, draft=None, **kw):
+    s = {"model": str(model), "draft": str(draft) if draft else None, "method": "draft", "draft_tokens": 2,
+         "temperature": 0.0, "max_tokens": 40, "system": None, "p_min": 0.0, "lookup_min": 2, "lookup_max": 4,
+         "top_k": 0, "top_p": 1.0, "min_p": 0.0, "seed": None, "ctx_size": 1024, "gpu_layers": 0,
+         "draft_gpu_layers": 0, "threads": None}
+    s.update(kw)
+    return s
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+
+
+async def until(pilot, cond, timeout=30.0):
+    t = 0.0
+    while not cond():
+        await pilot.pause(0.05)
+        t += 0.05
+        if t > timeout:
+            raise AssertionError("timed out waiting")
+
+
+async def send(pilot, text):
+    box = pilot.app.query_one("#prompt")
+    box.load_text(text)
+    box.focus()
+    await pilot.press("enter")
+
+
+async def answer(pilot, text):
+    app = pilot.app
+    before = len(app.query(MessageView))
+    await send(pilot, text)
+
+    def done():
+        views = app.query(MessageView)
+        return len(views) >= before + 2 and views.last().role == "assistant" and views.last().finished
+
+    await until(pilot, done)
+    return app.query(MessageView).last()
+
+
+def test_chat_roundtrip_matches_engine(target_path):
+    app = create_app(settings(target_path, target_path))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            view = await answer(pilot, "the cat")
+            assert view.role == "assistant" and view.finished and view.text
+            expected = app.engine.complete(app.engine.chat_prompt([{"role": "user", "content": "the cat"}]),
+                                           app.gen_config()).text
+            assert view.text == expected
+            assert any(d for _, d in view.spans)  # accepted draft tokens are marked for colouring
+            stats = app.query_one(StatsPanel).last
+            assert stats.completion_tokens == 40 and stats.acceptance_rate == 1.0
+            assert "tok/s" in view.note
+            # multi-turn: the second answer reuses the first turn's KV cache
+            await answer(pilot, "and the dog")
+            assert app.engine.last_stats.cached_prompt_tokens > 0
+            assert [m["role"] for m in app.messages] == ["user", "assistant", "user", "assistant"]
+            await pilot.press("f2")
+            assert app.show_colors is False
+
+    asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("long") / "long.gguf", 3, n_ctx_train=65536)
+
+
+def test_cancel_keeps_answer_and_chat_goes_on(long_model):
+    app = create_app(settings(long_model, None, method="lookup", max_tokens=60000, ctx_size=62000))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            await send(pilot, "the cat")
+            await until(pilot, lambda: app.generating and len(app.query(MessageView).last().text) > 10)
+            await pilot.press("escape")
+            await until(pilot, lambda: not app.generating)
+            view = app.query(MessageView).last()
+            assert view.note.startswith("stopped") and view.text
+            assert app.engine.last_stats.completion_tokens < 60000
+            app.s["max_tokens"] = 5
+            view2 = await answer(pilot, "again")
+            assert view2.finished and not view2.note.startswith("stopped")
+
+    asyncio.run(go())
+
+
+def test_slash_commands_switch_method_and_k(target_path):
+    app = create_app(settings(target_path, target_path))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            await send(pilot, "/method lookup")
+            await send(pilot, "/k 3")
+            await send(pilot, "/temp 0")
+            assert app.s["method"] == "lookup" and app.s["draft_tokens"] == 3
+            assert "method lookup" in str(app.query_one("#header").render()) and "k 3" in str(app.query_one("#header").render())
+            await answer(pilot, "the cat and the dog")
+            assert app.engine.last_stats.method == "lookup"
+            await send(pilot, "/method fast")  # refused with a notification, nothing changes
+            assert app.s["method"] == "lookup"
+            await send(pilot, "/help")
+            assert any(m.role == "help" for m in app.query(MessageView))
+
+    asyncio.run(go())
+
+
+def test_save_never_overwrites_without_asking(target_path, tmp_path):
+    app = create_app(settings(target_path, target_path, max_tokens=8))
+    md, js = tmp_path / "chat.md", tmp_path / "chat.json"
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            view = await answer(pilot, "the cat")
+            await send(pilot, f"/save {md}")
+            await send(pilot, f"/save {js}")
+            await until(pilot, lambda: md.exists() and js.exists())
+            text = md.read_text()
+            assert "## user" in text and "the cat" in text and view.text.strip()[:5] in text
+            data = json.loads(js.read_text())
+            assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+            md.write_text("my notes")
+            await send(pilot, f"/save {md}")
+            await pilot.pause(0.2)
+            await pilot.click("#no")
+            await pilot.pause(0.2)
+            assert md.read_text() == "my notes"
+            await send(pilot, f"/save {md}")
+            await pilot.pause(0.2)
+            await pilot.click("#yes")
+            await until(pilot, lambda: md.read_text() != "my notes")
+
+    asyncio.run(go())
+
+
+def test_missing_model_shows_error_in_app(tmp_path):
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: any(m.role == "error" for m in app.query(MessageView)))
+            err = [m for m in app.query(MessageView) if m.role == "error"][0]
+            assert "not found" in err.text
+            await send(pilot, "hello")  # the app is still alive and says why it cannot answer
+            assert app.engine is None and app.is_running
+
+    asyncio.run(go())
+
+
+def test_snapshot_main_screen(target_path, draft_path, snap_compare):
+    app = create_app(settings(target_path, draft_path, max_tokens=24, method="draft", draft_tokens=2), show_timings=False)
+
+    async def run_before(pilot):
+        await until(pilot, lambda: app.engine is not None)
+        await answer(pilot, "the cat")
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
