@@ -303,6 +303,7 @@ class LocalspecApp(App):
         now = time.monotonic()
         if now - self._last_ui > 0.1:
             self._last_ui = now
+            msg.view.flush()
             self.query_one(StatsPanel).update_stats(msg.stats)
             self.query_one(Transcript).scroll_end(animate=False)
 

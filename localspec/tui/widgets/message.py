@@ -47,6 +47,9 @@ class MessageView(Vertical):
             self.spans[-1] = (self.spans[-1][0] + piece, drafted)
         else:
             self.spans.append((piece, drafted))
+
+    def flush(self) -> None:
+        """Show what was appended (the app calls this at most every 0.1 s: rendering costs CPU the model needs)."""
         if self.is_mounted and self.children:
             self.query_one(".stream", Static).update(self._rich())
 

@@ -24,7 +24,9 @@ class StatsPanel(Vertical):
     def compose(self):
         yield Static("speed", classes="title")
         yield Static("", id="tps")
-        yield Sparkline([0.0], id="spark")
+        spark = Sparkline([], id="spark")
+        spark.display = False  # shown once there are rates to draw
+        yield spark
         yield Static("", id="figures")
         yield Static("", id="positions")
         yield Static("", id="memory")
@@ -37,7 +39,9 @@ class StatsPanel(Vertical):
         if stats.generation_s > 0 and self.show_timings:
             self.rates.append(stats.tokens_per_second)
             self.rates = self.rates[-60:]
-            self.query_one("#spark", Sparkline).data = list(self.rates)
+            spark = self.query_one("#spark", Sparkline)
+            spark.data = list(self.rates)
+            spark.display = len(self.rates) > 1
         self.query_one("#tps", Static).update(Text(f"{self._t(stats.tokens_per_second, '.1f')} tok/s", style="bold"))
         used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
         ks = ", ".join(f"{a}:{b}" for a, b in sorted(stats.k_used.items())) or "-"
