@@ -442,7 +442,7 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name.")],
 
 
 def _remote_compat(pair) -> None:
-    """Pair check on the GGUF headers, read remotely (ranged reads) before fetching gigabytes."""
+    """Pair check on the GGUF headers, read remotely (HTTP range requests) before fetching gigabytes."""
     from . import download
     from .compat import first_difference
     from .gguf_meta import read_metadata, vocab_info
@@ -454,17 +454,14 @@ def _remote_compat(pair) -> None:
             if lp is not None:
                 with open(lp, "rb") as fh:
                     infos.append(vocab_info(read_metadata(fh)))
+            elif spec.path is None and download.hub_reachable() is True:
+                infos.append(vocab_info(read_metadata(download.RemoteFile(spec))))
             else:
-                from huggingface_hub import HfFileSystem
-
-                fs = HfFileSystem()
-                rev = f"@{spec.revision}" if spec.revision else ""
-                with fs.open(f"{spec.repo}{rev}/{spec.file}", "rb", block_size=1 << 20) as fh:
-                    infos.append(vocab_info(read_metadata(fh)))
+                return  # unreachable: the pair check runs at load time instead
         except LocalspecError:
             raise
         except Exception:
-            return  # the hub is unreachable: the check runs after download, at load time
+            return  # the hub refused the ranged read: the check runs at load time
     why = first_difference(*infos)
     if why:
         raise UsageError(f"pair {pair.name} cannot speculate: {why} (nothing was downloaded)")

