@@ -126,6 +126,7 @@ class AdaptivePolicy:
         self.step = 0
         self.since_used = {name: 0 for name in drafters}
         self.last_choice = ("none", 0, 0.0)
+        self._probing: str | None = None
 
     def _plain_rate(self) -> float | None:
         t1 = self.curve.t.get(1)
@@ -171,6 +172,7 @@ class AdaptivePolicy:
             if c is None or (k + 1) / (k * t_tok + c) <= plain:
                 continue  # even with every draft accepted it would lose on this machine
             self.since_used[name] = 0
+            self._probing = name
             self.last_choice = (name, k, rate / plain)
             return self.drafters[name], k
         self.last_choice = ("none", 0, 1.0)
@@ -180,8 +182,10 @@ class AdaptivePolicy:
         self.curve.observe(n_drafted + 1, t_verify)
         for name in self.drafters:
             self.since_used[name] += 1
+        probing, self._probing = self._probing, None
         if drafter is not None and n_drafted:
-            self.since_used[drafter.name] = 0
+            # a probe whose drafts were all accepted is followed by another at once: the regime may be back
+            self.since_used[drafter.name] = PROBE_EVERY if (probing == drafter.name and n_accepted == n_drafted) else 0
             self.est[drafter.name].observe(n_drafted, n_accepted, t_draft)
 
     def estimates(self) -> dict[str, tuple[int, float]]:
