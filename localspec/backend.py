@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -154,6 +155,8 @@ class Model:
             self.close()
             raise
         self.reused = 0  # prefix tokens the last sync() kept from the cache
+        self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
+        self.decode_calls = 0
         self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
         self._piece_cache: dict[int, bytes] = {}
 
@@ -281,11 +284,12 @@ class Model:
         _ll.llama_memory_clear(self._mem, True)
         self.tokens.clear()
 
-    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last") -> np.ndarray:
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last", copy: bool = True) -> np.ndarray:
         """Append `tokens` at the end of the cache; return logits for the rows asked for.
 
-        logit_rows: "last", "all", or indices into `tokens`. Returns an array (rows, n_vocab), copied.
-        Long inputs are split into n_batch chunks; only rows in the final result are requested.
+        logit_rows: "last", "all", or indices into `tokens`. Returns an array (rows, n_vocab). With
+        copy=False (single-chunk decodes only) it is a view of llama.cpp's buffer, valid until the next decode:
+        the hot path reads argmax from it without copying ~0.6 MB per row.
         """
         n = len(tokens)
         if n == 0:
@@ -317,7 +321,10 @@ class Model:
                 b.logits[i] = want_row
                 if want_row:
                     chunk_rows.append(i)
+            t0 = time.perf_counter()
             rc = _ll.llama_decode(self._ctx, b)
+            self.decode_s += time.perf_counter() - t0
+            self.decode_calls += 1
             if rc != 0:
                 # llama.cpp restores the memory state on failure
                 raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
@@ -325,24 +332,27 @@ class Model:
             if chunk_rows:
                 ptr = _ll.llama_get_logits(self._ctx)
                 arr = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))
-                out.append(np.array(arr, copy=True))
+                out.append(np.array(arr, copy=True) if (copy or start + m < n) else arr)
             start += m
         if not out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
 
-    def sync(self, context: Sequence[int]) -> np.ndarray:
+    def sync(self, context: Sequence[int], copy: bool = True) -> np.ndarray:
         """Make the cache hold exactly `context` (reusing the common prefix); return the last row's logits."""
-        common = 0
-        limit = min(len(self.tokens), len(context))
         cached = self.tokens
-        while common < limit and cached[common] == context[common]:
-            common += 1
+        limit = min(len(cached), len(context))
+        if cached[:limit] == list(context[:limit]):  # the usual case, compared at C speed
+            common = limit
+        else:
+            common = 0
+            while common < limit and cached[common] == context[common]:
+                common += 1
         if common == len(context):  # everything cached: re-decode the last token for its logits
             common -= 1
         self.truncate(common)
         self.reused = common
-        return self.decode(context[common:], "last")[0]
+        return self.decode(context[common:], "last", copy=copy)[0]
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:

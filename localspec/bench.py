@@ -32,7 +32,7 @@ class BenchConfig:
     def label(self) -> str:
         if self.method == "none":
             return "none"
-        s = f"{self.method} k={self.k}"
+        s = f"{self.method} k={self.k}" if self.method != "auto" else f"auto k<={self.k}"
         return s + (f" p={self.p_min:g}" if self.p_min is not None else "")
 
 
@@ -58,6 +58,7 @@ class RunResult:
     draft_s: float
     verify_s: float
     target_passes: int
+    k_effective: int = 0  # k after the exact-batch cap
     speedup: float | None = None  # vs the baseline run right before it
     exact: bool | None = None  # temperature 0: same tokens as the baseline
     mismatch_pos: int | None = None
@@ -213,6 +214,7 @@ def run_bench(
             completion_tokens=st.completion_tokens, drafted=st.drafted, accepted=st.accepted,
             acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
             draft_s=st.draft_s, verify_s=st.verify_s, target_passes=st.target_passes, tokens=toks,
+            k_effective=st.k_cap,
         )
         if base is not None:
             rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
@@ -263,6 +265,7 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
         exact = [r.exact for r in rs if r.exact is not None]
         row = {
             "config": config, "category": cat, "runs": len(rs), "method": rs[0].method, "k": rs[0].k,
+            "k_effective": max(r.k_effective for r in rs),
             "tps_median": statistics.median(tps), "tps_p95": percentile(tps, 95),
             "latency_p50": percentile(lat, 50), "latency_p95": percentile(lat, 95),
             "ttft_median": statistics.median(r.ttft_s for r in rs),
@@ -275,7 +278,7 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
             "ideal_speedup": None, "measured_over_ideal": None,
         }
         if calib and row["method"] in ("draft", "lookup") and drafted:
-            k = row["k"]
+            k = row["k_effective"] or row["k"]
             c = calib["c"] if row["method"] == "draft" else 0.0
             ratio = calib["ratio"].get(k + 1)
             if ratio:
@@ -311,12 +314,12 @@ def print_report(rows: list[dict], console=None) -> None:
 
     console = console or Console(stderr=True)
     t = Table(title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
-    for col in ("config", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept", "len",
+    for col in ("config", "k eff", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept", "len",
                 "speedup", "ideal", "meas/ideal", "exact"):
         t.add_column(col, justify="right" if col not in ("config", "category") else "left")
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
-        t.add_row(r["config"], r["category"], f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
+        t.add_row(r["config"], str(r["k_effective"]) if r["method"] != "none" else "-", r["category"], f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
                   f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
                   f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
                   f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"),

@@ -322,7 +322,7 @@ class Engine:
                 tv = time.perf_counter()
                 gamma = len(proposal.tokens)
                 base = len(target.tokens)
-                rows = target.decode([context[-1], *proposal.tokens], "all")
+                rows = target.decode([context[-1], *proposal.tokens], "all", copy=False)  # used before the next decode
                 if sp.greedy:
                     n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
                 else:
