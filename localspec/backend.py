@@ -81,6 +81,8 @@ def supports_gpu_offload() -> bool:
     return bool(ll.llama_supports_gpu_offload())
 
 
+GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
+
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
 
 
@@ -144,11 +146,20 @@ class Model:
             cparams.n_threads = self.n_threads
             cparams.n_threads_batch = self.n_threads
             cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            # BF16 KV on the CPU: llama.cpp's flash attention splits a single query's KV across threads once
+            # the cache passes 512 cells (f16/f32 KV only), so a one-token decode and a batched verify would sum
+            # in different orders (logits moved by ~0.5 on Qwen 1.5B). With BF16 KV both take the same path.
+            kv = os.environ.get("LOCALSPEC_KV_TYPE") or ("bf16" if self.n_gpu_layers == 0 else "f16")
+            if kv not in GGML_TYPES:
+                raise ModelLoadError(f"LOCALSPEC_KV_TYPE must be one of {', '.join(GGML_TYPES)}, got {kv!r}")
+            self.kv_type = kv
+            cparams.type_k = cparams.type_v = GGML_TYPES[kv]
             cparams.no_perf = True
             self._ctx = ll.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise ModelLoadError(f"could not create a context of {n_ctx} tokens for {self.path.name}")
             self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+            self.n_batch = int(ll.llama_n_batch(self._ctx))  # llama.cpp caps it at n_ctx
             self._mem = ll.llama_get_memory(self._ctx)
             self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         except Exception:

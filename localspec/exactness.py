@@ -27,16 +27,30 @@ def _key(model, upto: int) -> str:
     from .backend import llama_cpp_version
 
     return "|".join(str(x) for x in (model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
-                                     llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), upto))
+                                     llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
+                                     model.n_ctx >= LONG_CONTEXT + upto + 8, upto))
+
+
+LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
 
 
 def probe(model, upto: int) -> int:
-    """Largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes."""
+    """Largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes, after a short
+    and (when the context allows) a long prefix."""
+    best = _probe_at(model, upto, 8)
+    if best > 1 and model.n_ctx >= LONG_CONTEXT + upto + 8:
+        best = min(best, _probe_at(model, best, LONG_CONTEXT))
+    return best
+
+
+def _probe_at(model, upto: int, prefix: int) -> int:
     saved = list(model.tokens)
     model.clear()
     try:
         ids = model.tokenize(PROBE_TEXT)
-        ctx, seq = ids[:8], (ids[8:] * 4)[:upto]
+        while len(ids) < prefix + upto + 8:
+            ids = ids + ids[1:]
+        ctx, seq = ids[:prefix], ids[prefix : prefix + upto]
         model.decode(ctx)
         base = len(model.tokens)
         singles = []
