@@ -19,6 +19,7 @@ PRIOR_WEIGHT = 2.0
 PRIOR_ALPHA = {"lookup": 0.5, "draft": 0.6}
 PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimistic: gets tried, then learnt)
 PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
+CATCH_UP_MAX = 8  # probe a draft model only when its cache is at most this far behind the context
 EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
 
 
@@ -168,6 +169,9 @@ class AdaptivePolicy:
         for rate, name, k, k_cap, t_tok in options:
             if self.since_used[name] < PROBE_EVERY:
                 continue
+            lag = getattr(self.drafters[name], "lag", None)
+            if lag is not None and lag(context) > CATCH_UP_MAX:
+                continue  # a probe would first decode the whole prompt on the draft model: not worth a guess
             c = self.curve.cost(k + 1)
             if c is None or (k + 1) / (k * t_tok + c) <= plain:
                 continue  # even with every draft accepted it would lose on this machine

@@ -26,6 +26,14 @@ class DraftModelDrafter(Drafter):
         # model never pays for it (its sync time is reported apart from the per-token draft cost)
         pass
 
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens the draft model would have to decode to catch up with `context` (its KV cache trails it)."""
+        cached = self.model.tokens
+        n = min(len(cached), len(context))
+        if cached[:n] == list(context[:n]):
+            return len(context) - n
+        return len(context)
+
     def _row(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits over the target's vocabulary (a token the target lacks is never proposed). A view
         when the vocab sizes agree: this runs once per drafted token, on ~150k floats."""
