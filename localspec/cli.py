@@ -80,11 +80,15 @@ def resolve_models(model: str, draft: str | None, method: str, *, quiet: bool = 
     """(target path, draft path or None, pair or None). Pair files are fetched on first use."""
     from . import download, registry
 
+    def local(path: str, role: str) -> Path:
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise UsageError(f"{role} file not found: {path}")
+        return p
+
     pair = None
     if registry.looks_like_path(model):
-        target = Path(model).expanduser()
-        if not target.is_file():
-            raise UsageError(f"model file not found: {model}")
+        target = local(model, "model")
     else:
         pair = registry.get(model)
         target = download.ensure(pair.target, quiet=quiet)
@@ -92,9 +96,7 @@ def resolve_models(model: str, draft: str | None, method: str, *, quiet: bool = 
     if method != "none":
         if draft:
             if registry.looks_like_path(draft):
-                draft_path = Path(draft).expanduser()
-                if not draft_path.is_file():
-                    raise UsageError(f"draft file not found: {draft}")
+                draft_path = local(draft, "draft")
             else:
                 dp = registry.get(draft)
                 draft_path = download.ensure(dp.draft or dp.target, quiet=quiet)

@@ -17,14 +17,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-import platformdirs
-
+from .cachefile import cache_dir, read_json, write_json
 from .errors import DownloadError
 from .registry import FileSpec
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LOCALSPEC_CACHE_DIR") or platformdirs.user_cache_dir("localspec"))
 
 
 def hf_cache() -> str:
@@ -53,10 +48,6 @@ def mirror_path(spec: FileSpec) -> Path:
 
 
 # ------------------------------------------------------------------ checksums
-def _verified_db() -> Path:
-    return cache_dir() / "verified.json"
-
-
 def sha256_file(path: Path, progress=None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -71,26 +62,14 @@ def verify(path: Path, sha256: str | None) -> bool:
         return True
     st = path.stat()
     key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    db_path = _verified_db()
-    try:
-        db = json.loads(db_path.read_text())
-    except (OSError, ValueError):
-        db = {}
+    db = read_json("verified.json")
     if db.get(key) == sha256.lower():
         return True
     ok = sha256_file(path) == sha256.lower()
     if ok:
         db[key] = sha256.lower()
-        try:
-            db_path.parent.mkdir(parents=True, exist_ok=True)
-            db_path.write_text(json.dumps(db))
-        except OSError:
-            pass
+        write_json("verified.json", db)
     return ok
-
-
-def _pinned(spec: FileSpec, source: dict | None = None) -> str | None:
-    return (source or {}).get("sha256") or spec.sha256
 
 
 # ------------------------------------------------------------------ locating

@@ -8,18 +8,13 @@ so the engine measures the largest exact batch once per model file and build, an
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import numpy as np
-import platformdirs
+
+from .cachefile import read_json, write_json
 
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
-
-
-def _db() -> Path:
-    return Path(os.environ.get("LOCALSPEC_CACHE_DIR") or platformdirs.user_cache_dir("localspec")) / "exact_batch.json"
 
 
 def _key(model, upto: int) -> str:
@@ -75,18 +70,10 @@ def max_exact_batch(model, upto: int) -> int:
     if os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0"):
         return upto
     key = _key(model, upto)
-    path = _db()
-    try:
-        db = json.loads(path.read_text())
-    except (OSError, ValueError):
-        db = {}
+    db = read_json("exact_batch.json")
     if key in db:
         return int(db[key])
     best = probe(model, upto)
     db[key] = best
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(db))
-    except OSError:
-        pass
+    write_json("exact_batch.json", db)
     return best
