@@ -35,6 +35,7 @@ models_app = typer.Typer(help="List, download, inspect and add model pairs.", no
 app.add_typer(models_app, name="models")
 
 DEBUG = False
+INTERRUPT_REPORTED = False  # `run` prints its own summary when interrupted
 
 
 def _err(msg: str) -> None:
@@ -329,6 +330,8 @@ def run(
                     out.flush()
                 status.update(engine.last_stats)
         except KeyboardInterrupt:
+            global INTERRUPT_REPORTED
+            INTERRUPT_REPORTED = True
             status.clear()
             stats = engine.last_stats
             if stream:
@@ -721,6 +724,8 @@ def main(argv: list[str] | None = None) -> None:
             raise
         _err(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)")
         sys.exit(1)
+    if rc == 130 and not INTERRUPT_REPORTED:  # typer turns Ctrl-C into exit code 130
+        sys.stderr.write("\ninterrupted (a partial download is kept and resumes next time)\n")
     sys.exit(rc if isinstance(rc, int) else 0)
 
 

@@ -255,7 +255,7 @@ def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, sho
                         if prog is not None:
                             prog.update(task, completed=0)
                     with open(part, "ab" if have else "wb") as out:
-                        while chunk := r.read(1 << 20):
+                        while chunk := r.read1(1 << 20):  # what has arrived: a Ctrl-C keeps it
                             out.write(chunk)
                             have += len(chunk)
                             if prog is not None:

@@ -33,6 +33,7 @@ class FakeHub:
         self.wheels: dict[str, tuple[str, bytes]] = {}  # normalized name -> (filename, bytes)
         self.log: list[tuple[str, str, str | None]] = []  # (method, path, range)
         self.fail_hub = False
+        self.slow = False  # stream bodies in small, delayed pieces
         self.drop_next_get = False
         self.missing_packages: set[str] = set()
         hub = self
@@ -112,6 +113,21 @@ class FakeHub:
                     self.wfile.flush()
                     self.close_connection = True
                     self.connection.shutdown(2)
+                    return
+                if hub.slow:
+                    import time
+
+                    self.send_response(code)
+                    for k, v in headers.items():
+                        self.send_header(k, v)
+                    self.end_headers()
+                    try:
+                        for i in range(0, len(body), 4096):
+                            self.wfile.write(body[i : i + 4096])
+                            self.wfile.flush()
+                            time.sleep(0.05)
+                    except OSError:
+                        pass
                     return
                 self._send(code, body, headers)
 

@@ -191,3 +191,30 @@ def test_shipped_models_toml_matches_package_copy():
     assert default == "qwen2.5-coder-1.5b" and len(pairs) >= 9
     d = pairs[default]
     assert d.target.mirrors and d.draft.mirrors and all(m.get("sha256") for m in d.target.mirrors + d.draft.mirrors)
+
+
+def test_ctrl_c_during_download_keeps_partial_and_resumes(hub, env):
+    import signal
+    import time
+
+    assert cli(["models", "add", "tiny", "--target", "hf://test/tiny/target.gguf"]).returncode == 0
+    hub.slow = True
+    p = subprocess.Popen([sys.executable, "-m", "localspec", "models", "pull", "tiny"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=dict(os.environ))
+    blobs = env / "hf" / "hub" / "models--test--tiny" / "blobs"
+    part = blobs / f"{hub.sha['target']}.incomplete"
+    t0 = time.time()
+    while not (part.exists() and part.stat().st_size > 20_000):
+        assert time.time() - t0 < 60 and p.poll() is None
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    assert b"Traceback" not in err and b"interrupted" in err
+    kept = part.stat().st_size
+    assert 0 < kept < len(hub.files[("test/tiny", "target.gguf")])
+    hub.slow = False
+    hub.log.clear()
+    r = cli(["models", "pull", "tiny"])
+    assert r.returncode == 0, r.stderr
+    assert [l[2] for l in hub.log if l[0] == "GET" and l[2]] == [f"bytes={kept}-"]
