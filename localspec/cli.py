@@ -163,11 +163,13 @@ def load_engine(s: dict, *, quiet: bool, announce=None):
 
 # ----------------------------------------------------------------- status output
 class Status:
-    """Live status line on a terminal's stderr, plus the final summary."""
+    """Live status on a terminal's stderr, plus the final summary. When the answer streams to the same terminal,
+    a status line would overwrite it: the figures then go to the terminal's title instead."""
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
         self.live = not quiet and sys.stderr.isatty()
+        self.in_title = self.live and sys.stdout.isatty()
         self._last = 0.0
         self._shown = False
 
@@ -184,14 +186,18 @@ class Status:
         if not force and now - self._last < 0.2:
             return
         self._last = now
-        line = f"{stats.tokens_per_second:6.1f} tok/s  accept {stats.acceptance_rate:4.0%}  len {stats.mean_accepted_length:4.2f}  {stats.completion_tokens} tok"
-        sys.stderr.write("\0337\r\x1b[2K\x1b[2m" + line + "\x1b[0m\0338")
+        line = (f"{stats.tokens_per_second:6.1f} tok/s  accept {stats.acceptance_rate:4.0%}  "
+                f"len {stats.mean_accepted_length:4.2f}  {stats.completion_tokens} tok")
+        if self.in_title:
+            sys.stderr.write(f"\x1b]0;localspec {line.strip()}\x07")
+        else:
+            sys.stderr.write("\r\x1b[2K\x1b[2m" + line + "\x1b[0m")
         sys.stderr.flush()
         self._shown = True
 
     def clear(self) -> None:
         if self._shown:
-            sys.stderr.write("\0337\r\x1b[2K\0338")
+            sys.stderr.write("\x1b]0;localspec\x07" if self.in_title else "\r\x1b[2K")
             sys.stderr.flush()
             self._shown = False
 
