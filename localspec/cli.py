@@ -4,7 +4,6 @@ Domain errors become one `error:` line and an exit code here, and only here."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time

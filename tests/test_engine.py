@@ -83,7 +83,6 @@ def test_stats_are_consistent(self_engine):
 
 def test_kv_rollback_matches_fresh_context(target_path):
     """After speculative steps with rejections, the next logits equal a fresh context fed the same tokens."""
-    from localspec.drafters import DraftModelDrafter
 
     with Model(target_path, n_ctx=512) as m, Model(target_path, n_ctx=512) as fresh:
         ids = m.tokenize(PROMPTS[2])
