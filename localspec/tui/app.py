@@ -151,6 +151,8 @@ class LocalspecApp(App):
                 engine, pair, target, draft = load_engine({**self.s, "model": model}, quiet=True)
                 if pair is not None and not self.s.get("draft_tokens"):
                     self.s["draft_tokens"] = pair.k
+            if (self.s.get("method") or "auto") != "none":
+                engine.exact_k(self.current_k())  # the one-time exactness probe runs behind the loading indicator
             self.post_message(self.Loaded(engine, model))
         except LocalspecError as exc:
             self.post_message(self.LoadFailed(str(exc)))
