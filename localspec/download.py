@@ -48,7 +48,7 @@ def mirror_path(spec: FileSpec) -> Path:
 
 
 # ------------------------------------------------------------------ checksums
-def sha256_file(path: Path, progress=None) -> str:
+def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(1 << 22):
@@ -60,16 +60,24 @@ def verify(path: Path, sha256: str | None) -> bool:
     """True when no sha256 is pinned or the file matches it. Results are remembered per (path, size, mtime)."""
     if not sha256:
         return True
-    st = path.stat()
-    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    db = read_json("verified.json")
-    if db.get(key) == sha256.lower():
+    if read_json("verified.json").get(_verified_key(path)) == sha256.lower():
         return True
     ok = sha256_file(path) == sha256.lower()
     if ok:
-        db[key] = sha256.lower()
-        write_json("verified.json", db)
+        _remember(path, sha256)
     return ok
+
+
+def _verified_key(path: Path) -> str:
+    st = path.stat()
+    return f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def _remember(path: Path, sha256: str) -> None:
+    """Record that `path` (as it is now) matched `sha256`, so it is not hashed again."""
+    db = read_json("verified.json")
+    db[_verified_key(path)] = sha256.lower()
+    write_json("verified.json", db)
 
 
 # ------------------------------------------------------------------ locating
@@ -114,16 +122,12 @@ def ensure(spec: FileSpec, *, quiet: bool = False, console=None) -> Path:
             return _from_hub(spec, quiet=quiet, console=console)
         except DownloadError:
             raise
-        except KeyboardInterrupt:
-            raise
         except Exception as exc:  # 404, auth, dropped connection: fall through to the mirrors
             tried.append(f"hub ({type(exc).__name__})")
     for m in spec.mirrors:
         try:
             return _from_mirror(spec, m, quiet=quiet, console=console)
         except DownloadError:
-            raise
-        except KeyboardInterrupt:
             raise
         except Exception as exc:
             tried.append(f"{m.get('kind', 'mirror')} {m.get('package', '')} ({type(exc).__name__})")
@@ -172,7 +176,7 @@ def _progress(console):
 
 
 # ------------------------------------------------------------------ sources
-def _disk_full(exc: OSError, partial: list[Path], need: int | None) -> DownloadError:
+def _disk_full(partial: list[Path], need: int | None) -> DownloadError:
     for p in partial:
         try:
             p.unlink()
@@ -209,6 +213,8 @@ def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
             part.unlink(missing_ok=True)
             raise DownloadError(f"checksum mismatch for {spec.label} from the hub; the partial file was removed")
         os.replace(part, blob)
+        if expected:
+            _remember(blob, expected)  # just hashed: the verify() below does not read 1 GB again
     snap.parent.mkdir(parents=True, exist_ok=True)
     if not snap.exists():
         if snap.is_symlink():
@@ -264,7 +270,7 @@ def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, sho
                     return
             except OSError as exc:
                 if getattr(exc, "errno", None) == errno.ENOSPC:
-                    raise _disk_full(exc, [part], size) from None
+                    raise _disk_full([part], size) from None
                 if isinstance(exc, urllib.error.HTTPError) and exc.code < 500:
                     raise
                 last_exc = exc
@@ -323,7 +329,7 @@ def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool, console) -> Path:
             state_file.write_text(json.dumps(state))
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise _disk_full(exc, [part, state_file], spec.size) from None
+            raise _disk_full([part, state_file], spec.size) from None
         raise
     finally:
         if prog:
@@ -336,7 +342,7 @@ def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool, console) -> Path:
     os.replace(part, dest)
     state_file.unlink(missing_ok=True)
     if sha:
-        verify(dest, sha)  # remember the result
+        _remember(dest, sha)
     return dest
 
 
@@ -384,14 +390,12 @@ class RemoteFile:
         self.block = block
         self.pos = 0
         self.buf = b""
-        self.requests = 0
 
     def _fetch(self, start: int) -> bytes:
         import urllib.request
 
         req = urllib.request.Request(self.url, headers={**self.headers, "Range": f"bytes={start}-{start + self.block - 1}"})
         with urllib.request.urlopen(req, timeout=30) as r:
-            self.requests += 1
             return r.read()
 
     def read(self, n: int) -> bytes:
