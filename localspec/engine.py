@@ -225,11 +225,12 @@ class Engine:
         return self._exact[k]
 
     def make_policy(self, cfg: GenConfig):
+        """(policy, method, k): k is cfg.k capped to what verifies bit-exactly (0 for plain decoding)."""
         method = self.resolve_method(cfg)
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
         k = self.exact_k(cfg.k) if method != "none" else 0
         if method == "none" or k == 0:
-            return FixedPolicy(None, 0), "none"
+            return FixedPolicy(None, 0), "none", k
         if adaptive:
             from .controller import AdaptivePolicy
 
@@ -243,11 +244,11 @@ class Engine:
             cost_prior = {"lookup": 0.0}
             if self.draft is not None:
                 cost_prior["draft"] = self.draft.size_bytes() / max(self.target.size_bytes(), 1)
-            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior), method
+            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior), method, k
         if method == "auto":
             method = "draft" if self.draft is not None else "lookup"
         drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)
-        return FixedPolicy(drafter, k), method
+        return FixedPolicy(drafter, k), method, k
 
     # ------------------------------------------------------------- decoding
     def generate(
@@ -262,9 +263,8 @@ class Engine:
         target = self.target
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
-        policy, method = self.make_policy(cfg)
-        stats = self.last_stats = Stats(method=method)
-        stats.k_cap = self.exact_k(cfg.k) if method != "none" else 0
+        policy, method, k_cap = self.make_policy(cfg)
+        stats = self.last_stats = Stats(method=method, k_cap=k_cap)
         if method != "none" and stats.k_cap < cfg.k:
             stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
         prompt = [int(t) for t in prompt_tokens]
