@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 
 from .errors import DecodeError, ModelLoadError
+from .seq import common_prefix
 
 try:  # imported lazily-safe: a broken install becomes a clear error at load time
     import llama_cpp as _ll
@@ -351,14 +352,7 @@ class Model:
 
     def sync(self, context: Sequence[int], copy: bool = True) -> np.ndarray:
         """Make the cache hold exactly `context` (reusing the common prefix); return the last row's logits."""
-        cached = self.tokens
-        limit = min(len(cached), len(context))
-        if cached[:limit] == list(context[:limit]):  # the usual case, compared at C speed
-            common = limit
-        else:
-            common = 0
-            while common < limit and cached[common] == context[common]:
-                common += 1
+        common = common_prefix(self.tokens, context)
         if common == len(context):  # everything cached: re-decode the last token for its logits
             common -= 1
         self.truncate(common)

@@ -8,6 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from ..sampling import SamplingParams, probs, sample
+from ..seq import common_prefix
 from .base import Drafter, Proposal
 
 
@@ -28,11 +29,7 @@ class DraftModelDrafter(Drafter):
 
     def lag(self, context: Sequence[int]) -> int:
         """Tokens the draft model would have to decode to catch up with `context` (its KV cache trails it)."""
-        cached = self.model.tokens
-        n = min(len(cached), len(context))
-        if cached[:n] == list(context[:n]):
-            return len(context) - n
-        return len(context)
+        return len(context) - common_prefix(self.model.tokens, context)
 
     def _row(self, logits: np.ndarray) -> np.ndarray:
         """Draft logits over the target's vocabulary (a token the target lacks is never proposed). A view
@@ -47,6 +44,7 @@ class DraftModelDrafter(Drafter):
         return row
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        self.last_sync_s = 0.0
         if k <= 0:
             return Proposal()
         # leave room: the draft decodes at most k-1 tokens after syncing the context

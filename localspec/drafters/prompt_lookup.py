@@ -9,6 +9,7 @@ import numpy as np
 
 from ..errors import UsageError
 from ..sampling import SamplingParams
+from ..seq import common_prefix
 from .base import Drafter, Proposal
 
 
@@ -25,11 +26,7 @@ class PromptLookupDrafter(Drafter):
         self._index: dict[int, dict[tuple, int]] = {n: {} for n in range(lookup_min, lookup_max + 1)}
 
     def begin(self, context: Sequence[int]) -> None:
-        common = 0
-        limit = min(len(self._tokens), len(context))
-        while common < limit and self._tokens[common] == context[common]:
-            common += 1
-        if common < len(self._tokens):  # context diverged (new conversation): rebuild
+        if common_prefix(self._tokens, context) < len(self._tokens):  # context diverged (new conversation): rebuild
             self._tokens = []
             self._index = {n: {} for n in self._index}
         self._extend(context)
