@@ -11,12 +11,12 @@ import ctypes
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
+from .compat import VocabInfo
 from .errors import DecodeError, ModelLoadError
 from .seq import common_prefix
 
@@ -85,19 +85,6 @@ def supports_gpu_offload() -> bool:
 GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
-
-
-@dataclass
-class VocabInfo:
-    """Facts used by the pair check; built from a loaded model or from a GGUF header."""
-
-    vocab_type: str
-    n_vocab: int
-    bos: int
-    eos: int
-    add_bos: bool
-    add_eos: bool
-    token_text: Sequence[bytes] = field(repr=False, default_factory=list)
 
 
 class Model:
@@ -177,24 +164,8 @@ class Model:
     def name(self) -> str:
         return self.path.name
 
-    def meta(self, key: str) -> str | None:
-        ll = _ll
-        buf = ctypes.create_string_buffer(4096)
-        n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
-        return buf.value.decode("utf-8", "replace")
-
-    def description(self) -> str:
-        buf = ctypes.create_string_buffer(256)
-        _ll.llama_model_desc(self._model, buf, len(buf))
-        return buf.value.decode("utf-8", "replace")
-
     def size_bytes(self) -> int:
         return int(_ll.llama_model_size(self._model))
-
-    def n_params(self) -> int:
-        return int(_ll.llama_model_n_params(self._model))
 
     def memory_bytes(self) -> int:
         """Weights plus this context's state (KV cache and buffers)."""
@@ -207,9 +178,6 @@ class Model:
     def chat_template(self) -> str | None:
         ptr = _ll.llama_model_chat_template(self._model, None)
         return ptr.decode("utf-8", "replace") if ptr else None
-
-    def is_recurrent(self) -> bool:
-        return bool(_ll.llama_model_is_recurrent(self._model) or _ll.llama_model_is_hybrid(self._model))
 
     def is_eog(self, token: int) -> bool:
         return bool(_ll.llama_vocab_is_eog(self._vocab, token))

@@ -371,7 +371,7 @@ def plot_png(path: Path, rows) -> None:
     fig.savefig(path)
 
 
-def _check_out(path: Path | None) -> None:
+def check_out(path: Path | None) -> None:
     if path is not None and Path(path).exists() and not sys.stdin.isatty():
         raise UsageError(f"{path} exists; refusing to overwrite it (remove it or choose another name)")
     if path is not None and Path(path).exists():
@@ -381,84 +381,7 @@ def _check_out(path: Path | None) -> None:
             raise UsageError(f"{path} exists; not overwritten")
 
 
-# ------------------------------------------------------------------ CLI glue
-def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categories, limit, json_out, csv_out, plot):
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from .cli import load_engine
-
-    for p in (json_out, csv_out, plot):
-        _check_out(p)
-    if repeat < 1 or max_tokens < 1:
-        raise UsageError("--repeat and --max-tokens must be >= 1")
-    ps = load_prompts(prompts, categories.split(",") if categories else None, limit)
-    console = Console(stderr=True)
-    engine, pair, target, draft = load_engine(s, quiet=False, announce=console.print)
-    try:
-        configs = parse_configs(methods, ks, has_draft=engine.draft is not None)
-        if not configs:
-            raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
-        calib = calibrate(engine, max(c.k for c in configs) + 1)
-        total = len(ps) * repeat * len(configs) * 2
-        with Progress(console=console, transient=True) as prog:
-            task = prog.add_task("benchmarking", total=total)
-            results = run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
-                                on_run=lambda r: prog.advance(task))
-        rows = summarize(results, calib)
-        print_report(rows, Console())
-        meta = {"target": target.name, "draft": draft.name if draft else None, "max_tokens": max_tokens,
-                "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
-                "configs": [c.label for c in configs], "prompts": len(ps)}
-        if json_out:
-            write_json(json_out, rows, results, calib, meta)
-        if csv_out:
-            write_csv(csv_out, results)
-        if plot:
-            plot_png(plot, rows)
-        return rows
-    finally:
-        engine.close()
-
-
 def choose_best(rows: list[dict]) -> dict:
     """The config with the best median tokens/s over the sample ('all' rows)."""
     alls = [r for r in rows if r["category"] == "all"]
     return max(alls, key=lambda r: r["tps_median"])
-
-
-def cli_tune(s, *, prompts, ks, p_mins, max_tokens, limit):
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from . import config as C
-    from .cli import load_engine
-
-    ps = load_prompts(prompts, None, limit)
-    console = Console(stderr=True)
-    engine, pair, target, draft = load_engine(s, quiet=False, announce=console.print)
-    try:
-        methods = "draft,lookup" if engine.draft is not None else "lookup"
-        configs = parse_configs(methods, ks, p_mins, has_draft=engine.draft is not None)
-        with Progress(console=console, transient=True) as prog:
-            task = prog.add_task("tuning", total=len(ps) * len(configs) * 2)
-            results = run_bench(engine, ps, configs, max_tokens=max_tokens, on_run=lambda r: prog.advance(task))
-        rows = summarize(results)
-        best = choose_best(rows)
-        key = pair.name if pair else target.name
-        entry = {"method": best["method"], "k": best["k"], "tokens_per_second": round(best["tps_median"], 2),
-                 "speedup": round(best["speedup_median"], 3) if best["speedup_median"] else 1.0,
-                 "tuned_at": time.strftime("%Y-%m-%d %H:%M")}
-        cfg_label = best["config"]
-        if cfg_label.startswith("draft") and " p=" in cfg_label:
-            entry["p_min"] = float(cfg_label.split(" p=")[1])
-        C.update_file(C.config_file(), lambda d: d.setdefault("tuned", {}).__setitem__(key, entry))
-        if best["method"] == "none":
-            console.print(f"speculation does not pay on this machine for {key}: plain decoding measured fastest "
-                          f"({best['tps_median']:.1f} tok/s); stored method=none")
-        else:
-            console.print(f"chose {cfg_label} for {key}: {best['tps_median']:.1f} tok/s, "
-                          f"{entry['speedup']:.2f}x plain (median of per-prompt ratios); stored in {C.config_file()}")
-        return entry
-    finally:
-        engine.close()

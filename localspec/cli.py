@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -72,98 +73,18 @@ TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0
 SystemOpt = Annotated[Optional[str], typer.Option("-s", "--system", help="System prompt.", show_default=False)]
 
 
-def settings(**flags) -> dict:
-    return config.values({k: v for k, v in flags.items() if v is not None})
-
-
-def resolve_models(model: str, draft: str | None, method: str, *, quiet: bool = False):
-    """(target path, draft path or None, pair or None). Pair files are fetched on first use."""
-    from . import download, registry
-
-    def local(path: str, role: str) -> Path:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise UsageError(f"{role} file not found: {path}")
-        return p
-
-    pair = None
-    if registry.looks_like_path(model):
-        target = local(model, "model")
-    else:
-        pair = registry.get(model)
-        target = download.ensure(pair.target, quiet=quiet)
-    draft_path = None
-    if method != "none":
-        if draft:
-            if registry.looks_like_path(draft):
-                draft_path = local(draft, "draft")
-            else:
-                dp = registry.get(draft)
-                draft_path = download.ensure(dp.draft or dp.target, quiet=quiet)
-        elif pair is not None and pair.draft is not None and method in ("auto", "draft"):
-            draft_path = download.ensure(pair.draft, quiet=quiet)
-    return target, draft_path, pair
-
-
-def tuned_for(key: str) -> dict:
-    data = config.load_toml(config.config_file())
-    return (data.get("tuned") or {}).get(key, {})
-
-
-def build_gen_config(s: dict, pair, stop: list[str] | None, target_path: Path):
-    from .engine import GenConfig
-    from .sampling import SamplingParams
-
-    k = s["draft_tokens"]
-    p_min = s["p_min"]
-    tuned = tuned_for(pair.name if pair else target_path.name)
-    if k is None:
-        k = tuned.get("k") or (pair.k if pair else 4)
-    sources = config.resolve()
-    if "p_min" in tuned and sources["p_min"].source == "default":
-        p_min = tuned["p_min"]
-    method = s["method"]
-    if tuned.get("method") and sources["method"].source == "default" and method == "auto" and tuned["method"] != "auto":
-        method = tuned["method"]  # `localspec tune` measured this pair on this machine
-    return GenConfig(
-        method=method,
-        k=k,
-        max_tokens=s["max_tokens"],
-        stop=stop or (),
-        sampling=SamplingParams(
-            temperature=s["temperature"], top_k=s["top_k"], top_p=s["top_p"], min_p=s["min_p"], seed=s["seed"]
-        ),
-        p_min=p_min,
-        lookup_min=s["lookup_min"],
-        lookup_max=s["lookup_max"],
-    )
-
-
-def load_engine(s: dict, *, quiet: bool, announce=None):
-    """Resolve, fetch and load the models named in settings `s`; returns (engine, pair, target, draft)."""
-    from .engine import METHODS, Engine
-
-    if s["method"] not in METHODS:
-        raise UsageError(f"unknown method {s['method']!r}; choose one of {', '.join(METHODS)}")
-    target, draft, pair = resolve_models(s["model"], s["draft"], s["method"], quiet=quiet)
-    ctx = s["ctx_size"]
-    if ctx is not None and ctx < 16:
-        raise UsageError(f"context size must be >= 16, got {ctx}")
-    if pair is not None and config.resolve()["ctx_size"].source == "default" and s["ctx_size"] == config.SETTINGS["ctx_size"][1]:
-        ctx = pair.ctx
-    if announce:
-        announce(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ...")
-    engine = Engine.load(
-        target, draft, n_ctx=ctx, gpu_layers=s["gpu_layers"], draft_gpu_layers=s["draft_gpu_layers"],
-        threads=s["threads"], drop_incompatible_draft=s["method"] == "auto",
-    )
-    return engine, pair, target, draft
+def flags(**kw) -> dict:
+    """The options the user actually gave (None = not given)."""
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 # ----------------------------------------------------------------- status output
 class Status:
     """Live status on a terminal's stderr, plus the final summary. When the answer streams to the same terminal,
-    a status line would overwrite it: the figures then go to the terminal's title instead."""
+    a status line would overwrite it: the figures then go to the terminal's title instead. A ticker refreshes the
+    figures twice a second even while no token arrives."""
+
+    INTERVAL = 0.5
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
@@ -171,6 +92,9 @@ class Status:
         self.in_title = self.live and sys.stdout.isatty()
         self._last = 0.0
         self._shown = False
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ticker: threading.Thread | None = None
 
     def info(self, msg: str) -> None:
         if not self.quiet:
@@ -178,35 +102,68 @@ class Status:
             sys.stderr.write(msg + "\n")
             sys.stderr.flush()
 
+    def start(self, get_stats) -> None:
+        if not self.live or self._ticker is not None:
+            return
+        self._stop.clear()
+
+        def tick() -> None:
+            while not self._stop.wait(self.INTERVAL):
+                st = get_stats()
+                if st is not None:
+                    self.update(st, force=True)
+
+        self._ticker = threading.Thread(target=tick, name="localspec-status", daemon=True)
+        self._ticker.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._ticker is not None:
+            self._ticker.join(timeout=1.0)
+            self._ticker = None
+        self.clear()
+
     def update(self, stats, force: bool = False) -> None:
-        if not self.live:
+        if not self.live or stats is None:
             return
-        now = time.perf_counter()
-        if not force and now - self._last < 0.2:
-            return
-        self._last = now
-        line = (f"{stats.tokens_per_second:6.1f} tok/s  accept {stats.acceptance_rate:4.0%}  "
-                f"len {stats.mean_accepted_length:4.2f}  {stats.completion_tokens} tok")
-        if self.in_title:
-            sys.stderr.write(f"\x1b]0;localspec {line.strip()}\x07")
-        else:
-            sys.stderr.write("\r\x1b[2K\x1b[2m" + line + "\x1b[0m")
-        sys.stderr.flush()
-        self._shown = True
+        with self._lock:
+            now = time.perf_counter()
+            if not force and now - self._last < 0.2:
+                return
+            self._last = now
+            line = live_line(stats)
+            if self.in_title:
+                sys.stderr.write(f"\x1b]0;localspec {line}\x07")
+            else:
+                sys.stderr.write("\r\x1b[2K\x1b[2m" + line + "\x1b[0m")
+            sys.stderr.flush()
+            self._shown = True
 
     def clear(self) -> None:
-        if self._shown:
-            sys.stderr.write("\x1b]0;localspec\x07" if self.in_title else "\r\x1b[2K")
-            sys.stderr.flush()
-            self._shown = False
+        with self._lock:
+            if self._shown:
+                sys.stderr.write("\x1b]0;localspec\x07" if self.in_title else "\r\x1b[2K")
+                sys.stderr.flush()
+                self._shown = False
+
+
+def rate_text(rate: float | None) -> str:
+    return "—" if rate is None else f"{rate:.1f}"
+
+
+def live_line(stats) -> str:
+    """The figures shown while an answer streams: live tokens/s over the answer so far."""
+    return (f"{rate_text(stats.rate()):>6} tok/s  accept {stats.acceptance_rate:4.0%}  "
+            f"{stats.tokens_per_pass:4.2f} tok/pass  {stats.completion_tokens} tok")
 
 
 def summary_line(stats, finish: str) -> str:
     used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
+    mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
     return (
-        f"{stats.completion_tokens} tokens in {stats.elapsed_s:.2f}s | {stats.tokens_per_second:.1f} tok/s | "
+        f"{stats.completion_tokens} tokens in {stats.elapsed_s:.2f}s | {rate_text(stats.rate())} tok/s | "
         f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
-        f"mean accepted length {stats.mean_accepted_length:.2f} | steps: {used} | {finish}"
+        f"{stats.tokens_per_pass:.2f} tokens per target pass | mean accepted length {mal} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
     )
 
@@ -217,9 +174,9 @@ def main_method(stats) -> str:
     return max(used, key=used.get) if used else "none"
 
 
-def result_json(fin, stats, engine, gen_cfg, interrupted=False) -> dict:
+def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") -> dict:
     return {
-        "text": fin.text if fin else "",
+        "text": fin.text if fin else text,
         "finish_reason": "interrupted" if interrupted else fin.finish_reason,
         "method": main_method(stats),
         "requested_method": gen_cfg.method,
@@ -232,10 +189,12 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False) -> dict:
         "drafted": stats.drafted,
         "accepted": stats.accepted,
         "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_pass": stats.tokens_per_pass,
+        "drafting_steps": stats.drafting_steps,
         "mean_accepted_length": stats.mean_accepted_length,
         "acceptance_by_position": stats.acceptance_by_position,
         "ttft_s": stats.ttft_s,
-        "tokens_per_second": stats.tokens_per_second,
+        "tokens_per_second": stats.rate(),
         "elapsed_s": stats.elapsed_s,
         "draft_s": stats.draft_s,
         "verify_s": stats.verify_s,
@@ -296,25 +255,28 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
 ):
     """Answer one prompt (stdin is joined to it), streaming to stdout."""
-    s = settings(
+    from .session import Session, generation_slot
+
+    sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
-    )
+    ), quiet=quiet)
     piped = read_stdin()
     parts = [p for p in (piped, prompt) if p is not None and p.strip() != ""]
     if not parts:
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
-    if s["threads"] is not None and s["threads"] < 1:
-        raise UsageError(f"threads must be >= 1, got {s['threads']}")
     status = Status(quiet)
     from .engine import Finished
 
-    build_gen_config(s, None, stop, Path(s["model"]))  # bad sampling/k values fail before loading gigabytes
-    engine, pair, target, draft_path = load_engine(s, quiet=quiet, announce=status.info if sys.stderr.isatty() else None)
+    sess.check()  # bad sampling/k/thread values fail before loading gigabytes
+    if sys.stderr.isatty():
+        sess.announce = status.info
+    engine = sess.load()
     try:
-        gen_cfg = build_gen_config(s, pair, stop, target)
+        s = sess.values()
+        gen_cfg = sess.gen_config(stop)
         if engine.dropped_draft:
             status.info(f"warning: {engine.dropped_draft}; using prompt lookup")
         if raw:
@@ -325,29 +287,37 @@ def run(
         stream = not (no_stream or as_json)
         fin = None
         out = sys.stdout
-        try:
-            for ev in engine.generate(tokens, gen_cfg):
-                if isinstance(ev, Finished):
-                    fin = ev
-                    break
-                if stream and ev.text:
-                    out.write(ev.text)
-                    out.flush()
-                status.update(engine.last_stats)
-        except KeyboardInterrupt:
-            global INTERRUPT_REPORTED
-            INTERRUPT_REPORTED = True
-            status.clear()
-            stats = engine.last_stats
-            if stream:
-                out.write("\n")
+        got: list[str] = []  # the answer so far: kept when interrupted
+        with generation_slot(waiting=None if quiet else status.info):
+            status.start(lambda: engine.last_stats)
+            try:
+                for ev in engine.generate(tokens, gen_cfg):
+                    if isinstance(ev, Finished):
+                        fin = ev
+                        break
+                    got.append(ev.text)
+                    if stream and ev.text:
+                        out.write(ev.text)
+                        out.flush()
+                    status.update(engine.last_stats)
+            except KeyboardInterrupt:
+                global INTERRUPT_REPORTED
+                INTERRUPT_REPORTED = True
+                status.stop()
+                stats = engine.last_stats
+                partial = "".join(got)
+                if stream:
+                    out.write("\n")
+                elif as_json:
+                    out.write(json.dumps(result_json(None, stats, engine, gen_cfg, interrupted=True, text=partial)) + "\n")
+                else:
+                    out.write(partial + ("" if partial.endswith("\n") else "\n"))
                 out.flush()
-            if as_json:
-                out.write(json.dumps(result_json(None, stats, engine, gen_cfg, interrupted=True)) + "\n")
-            if not quiet and stats is not None:
-                sys.stderr.write(summary_line(stats, "interrupted") + "\n")
-            raise typer.Exit(130)
-        status.clear()
+                if not quiet and stats is not None:
+                    sys.stderr.write(summary_line(stats, "interrupted") + "\n")
+                raise typer.Exit(130)
+            finally:
+                status.stop()
         stats = fin.stats
         if as_json:
             out.write(json.dumps(result_json(fin, stats, engine, gen_cfg)) + "\n")
@@ -360,36 +330,34 @@ def run(
         if not quiet:
             sys.stderr.write(summary_line(stats, fin.finish_reason) + "\n")
     finally:
-        engine.close()
+        sess.close()
 
 
 # ----------------------------------------------------------------- config
 @app.command("config")
 def config_cmd(
+    model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ):
-    """Show the effective settings and where each came from (default < file < env < flag)."""
-    eff = config.resolve()
-    data = config.load_toml(config.config_file())
-    tuned = data.get("tuned") or {}
+    """Show the effective settings and where each came from.
+
+    Precedence, highest first: flag > LOCALSPEC_* environment > config file > stored tune result > pair default >
+    built-in default."""
+    from .session import resolve_settings, tuned_results
+
+    eff = resolve_settings(flags(model=model), strict=False)
+    tuned = tuned_results()
     if as_json:
         typer.echo(json.dumps({"config_file": str(config.config_file()),
                                "settings": {k: {"value": v.value, "source": v.source} for k, v in eff.items()},
                                "tuned": tuned}))
         return
-    from rich.console import Console
-    from rich.table import Table
+    from .output import print_table
 
-    t = Table(title=f"config file: {config.config_file()}", title_justify="left")
-    t.add_column("setting")
-    t.add_column("value")
-    t.add_column("from")
-    for k, v in eff.items():
-        t.add_row(k, "" if v.value is None else str(v.value), v.source)
-    c = Console()
-    c.print(t)
+    print_table(["setting", "value", "from"], [[k, "" if v.value is None else str(v.value), v.source] for k, v in eff.items()],
+                title=f"config file: {config.config_file()}")
     for name, vals in tuned.items():
-        c.print(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items()))
+        typer.echo(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items()))
 
 
 # ----------------------------------------------------------------- models
@@ -414,12 +382,7 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False):
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table()
-    for col in ("pair", "target", "draft", "k", "local"):
-        t.add_column(col)
+    from .output import print_table
 
     def fmt(f):
         if f is None:
@@ -428,11 +391,12 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False):
         mark = "[green]✓[/green]" if f["downloaded"] else "[dim]·[/dim]"
         return f"{mark} {Path(f['file']).name} [dim]{size}[/dim]"
 
+    table = []
     for r in rows:
         paths = "\n".join(x["path"] for x in (r["target"], r["draft"]) if x and x["path"]) or "-"
-        t.add_row(r["name"] + (" [bold](default)[/bold]" if r["default"] else "") + f"\n[dim]{r['description']}[/dim]",
-                  fmt(r["target"]), fmt(r["draft"]), str(r["k"]), paths)
-    Console().print(t)
+        table.append([r["name"] + (" [bold](default)[/bold]" if r["default"] else ""), fmt(r["target"]), fmt(r["draft"]),
+                      str(r["k"]), paths])
+    print_table(["pair", "target", "draft", "k", "local"], table, right=["k"])
 
 
 @models_app.command("pull")
@@ -638,11 +602,13 @@ def chat(
     ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
 ):
     """Chat in the terminal, with live speculation statistics."""
+    from .session import Session
     from .tui.app import create_app
 
-    s = settings(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
-                 system=system, max_tokens=max_tokens, ctx_size=ctx_size)
-    create_app(s).run()
+    sess = Session(flags(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
+                         system=system, max_tokens=max_tokens, ctx_size=ctx_size), quiet=True)
+    sess.check()
+    create_app(sess).run()
 
 
 @app.command()
@@ -664,10 +630,8 @@ def bench(
     threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
-    from . import bench as B
-
-    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
-    B.cli_bench(s, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
+    sess = _bench_session(model, draft, ctx_size, threads)
+    _bench(sess, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
 
@@ -684,10 +648,98 @@ def tune(
     threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
 ):
     """Sweep k (and p_min) on a sample, store the fastest config for this pair in the user config."""
-    from . import bench as B
+    sess = _bench_session(model, draft, ctx_size, threads)
+    _tune(sess, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
-    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
-    B.cli_tune(s, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
+
+def _bench_session(model, draft, ctx_size, threads):
+    from .session import Session
+
+    # bench and tune compare methods themselves: the draft is loaded whatever the configured method is
+    sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto"))
+    sess.check()
+    return sess
+
+
+def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categories, limit, json_out, csv_out, plot):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import bench as B
+    from .session import generation_slot
+
+    for p in (json_out, csv_out, plot):
+        B.check_out(p)
+    if repeat < 1 or max_tokens < 1:
+        raise UsageError("--repeat and --max-tokens must be >= 1")
+    ps = B.load_prompts(prompts, categories.split(",") if categories else None, limit)
+    console = Console(stderr=True)
+    sess.announce = console.print
+    engine = sess.load()
+    try:
+        configs = B.parse_configs(methods, ks, has_draft=engine.draft is not None)
+        if not configs:
+            raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
+        with generation_slot(waiting=console.print):
+            calib = B.calibrate(engine, max(c.k for c in configs) + 1)
+            total = len(ps) * repeat * len(configs) * 2
+            with Progress(console=console, transient=True) as prog:
+                task = prog.add_task("benchmarking", total=total)
+                results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
+                                      on_run=lambda r: prog.advance(task))
+        rows = B.summarize(results, calib)
+        B.print_report(rows, Console())
+        meta = {"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None,
+                "max_tokens": max_tokens, "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
+                "configs": [c.label for c in configs], "prompts": len(ps)}
+        if json_out:
+            B.write_json(json_out, rows, results, calib, meta)
+        if csv_out:
+            B.write_csv(csv_out, results)
+        if plot:
+            B.plot_png(plot, rows)
+        return rows
+    finally:
+        sess.close()
+
+
+def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import bench as B
+    from .session import generation_slot, tuned_key
+
+    ps = B.load_prompts(prompts, None, limit)
+    console = Console(stderr=True)
+    sess.announce = console.print
+    engine = sess.load()
+    try:
+        methods = "draft,lookup" if engine.draft is not None else "lookup"
+        configs = B.parse_configs(methods, ks, p_mins, has_draft=engine.draft is not None)
+        with generation_slot(waiting=console.print):
+            with Progress(console=console, transient=True) as prog:
+                task = prog.add_task("tuning", total=len(ps) * len(configs) * 2)
+                results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, on_run=lambda r: prog.advance(task))
+        rows = B.summarize(results)
+        best = B.choose_best(rows)
+        key = tuned_key(sess["model"], sess.pair)
+        entry = {"method": best["method"], "k": best["k"], "tokens_per_second": round(best["tps_median"], 2),
+                 "speedup": round(best["speedup_median"], 3) if best["speedup_median"] else 1.0,
+                 "tuned_at": time.strftime("%Y-%m-%d %H:%M")}
+        cfg_label = best["config"]
+        if cfg_label.startswith("draft") and " p=" in cfg_label:
+            entry["p_min"] = float(cfg_label.split(" p=")[1])
+        config.update_file(config.config_file(), lambda d: d.setdefault("tuned", {}).__setitem__(key, entry))
+        if best["method"] == "none":
+            console.print(f"speculation does not pay on this machine for {key}: plain decoding measured fastest "
+                          f"({best['tps_median']:.1f} tok/s); stored method=none")
+        else:
+            console.print(f"chose {cfg_label} for {key}: {best['tps_median']:.1f} tok/s, "
+                          f"{entry['speedup']:.2f}x plain (median of per-prompt ratios); stored in {config.config_file()}")
+        return entry
+    finally:
+        sess.close()
 
 
 # ----------------------------------------------------------------- entry point

@@ -2,8 +2,24 @@
 
 from __future__ import annotations
 
-from .backend import VocabInfo
+from dataclasses import dataclass, field
+from typing import Sequence
+
 from .errors import IncompatibleDraftError
+
+
+@dataclass
+class VocabInfo:
+    """Facts used by the pair check; built from a loaded model or from a GGUF header."""
+
+    vocab_type: str
+    n_vocab: int
+    bos: int
+    eos: int
+    add_bos: bool
+    add_eos: bool
+    token_text: Sequence[bytes] = field(repr=False, default_factory=list)
+
 
 MAX_VOCAB_SIZE_DIFF = 128
 CHECK_FROM_TOKEN = 5

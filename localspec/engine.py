@@ -276,7 +276,8 @@ class Engine:
                 f"prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
                 f"use -c {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt"
             )
-        t0 = time.perf_counter()
+        t0 = stats.started = time.perf_counter()
+        stats.running = True
         logits = target.sync(prompt)
         stats.cached_prompt_tokens = target.reused
         for d in _drafters_of(policy):
@@ -291,7 +292,7 @@ class Engine:
         def emit(token: int, drafted: bool):
             piece, stopped = text.push(target.piece(token))
             out_tokens.append(token)
-            stats.completion_tokens += 1
+            stats.token_emitted()
             return Piece(piece, token, drafted), stopped
 
         # first token from the prompt's last row
@@ -357,6 +358,7 @@ class Engine:
                         break
         finally:
             stats.elapsed_s = time.perf_counter() - t0
+            stats.running = False
             stats.reason = "; ".join(x for x in (stats.reason, policy.reason()) if x)
         tail = text.flush()
         if tail:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 
 
@@ -15,6 +16,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     target_passes: int = 0  # target decodes during generation (each emits >= 1 token)
+    drafting_steps: int = 0  # target passes that verified at least one drafted token
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times it was accepted
     prompt_s: float = 0.0  # prompt decode time (both models)
@@ -26,9 +28,17 @@ class Stats:
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
     k_cap: int = 0  # largest k whose verify batch is bit-exact (see exactness.py)
     reason: str = ""  # why the controller chose what it did, e.g. "auto -> none: draft 0.91x"
+    started: float = 0.0  # perf_counter() when the generation began (live figures run from it)
+    running: bool = False  # True while tokens are still coming: rates use the clock, not elapsed_s
+    emitted_at: deque = field(default_factory=lambda: deque(maxlen=512), repr=False)  # perf_counter per token
+
+    MIN_RATE_TOKENS = 2  # a rate over fewer tokens, or a shorter time, is noise: shown as "—"
+    MIN_RATE_S = 0.05
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:
         self.target_passes += 1
+        if n_drafted:
+            self.drafting_steps += 1
         self.drafted += n_drafted
         self.accepted += n_accepted
         while len(self.drafted_at) < n_drafted:
@@ -43,10 +53,19 @@ class Stats:
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
 
+    def token_emitted(self, now: float | None = None) -> None:
+        self.completion_tokens += 1
+        self.emitted_at.append(time.perf_counter() if now is None else now)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Tokens emitted per target pass during generation, over every step (1.0 = no gain)."""
+        return (self.accepted + self.target_passes) / self.target_passes if self.target_passes else 0.0
+
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target pass during generation (1.0 = no gain)."""
-        return (self.accepted + self.target_passes) / self.target_passes if self.target_passes else 0.0
+        """Per drafting step: 1 + accepted drafts / drafting steps (as vLLM reports it); 0 when nothing drafted."""
+        return 1.0 + self.accepted / self.drafting_steps if self.drafting_steps else 0.0
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -54,19 +73,40 @@ class Stats:
 
     @property
     def generation_s(self) -> float:
-        return max(self.elapsed_s - self.prompt_s, 0.0)
+        """Seconds since the prompt was processed: up to now while running, to the end once finished."""
+        elapsed = (time.perf_counter() - self.started) if (self.running and self.started) else self.elapsed_s
+        return max(elapsed - self.prompt_s, 0.0)
 
     @property
     def tokens_per_second(self) -> float:
         g = self.generation_s
         return self.completion_tokens / g if g > 0 else 0.0
 
+    def rate(self) -> float | None:
+        """tokens/s over the answer so far, or None when the sample is too small to mean anything."""
+        if self.completion_tokens < self.MIN_RATE_TOKENS or self.generation_s < self.MIN_RATE_S:
+            return None
+        return self.tokens_per_second
+
+    def recent_rate(self, window_s: float = 2.0, now: float | None = None) -> float | None:
+        """tokens/s over the last `window_s` seconds of the answer (for the sparkline); None on too small a sample."""
+        end = (time.perf_counter() if now is None else now) if self.running else self.started + self.elapsed_s
+        n = sum(1 for t in self.emitted_at if end - t <= window_s)
+        span = min(window_s, self.generation_s)
+        if n < self.MIN_RATE_TOKENS or span < self.MIN_RATE_S:
+            return None
+        return n / span
+
     def to_dict(self) -> dict:
         d = asdict(self)
+        d.pop("emitted_at", None)
+        d.pop("running", None)
+        d.pop("started", None)
         d["k_used"] = {str(k): v for k, v in sorted(self.k_used.items())}
         d["method_used"] = dict(self.method_used)
         d.update(
             acceptance_rate=self.acceptance_rate,
+            tokens_per_pass=self.tokens_per_pass,
             mean_accepted_length=self.mean_accepted_length,
             acceptance_by_position=self.acceptance_by_position,
             tokens_per_second=self.tokens_per_second,

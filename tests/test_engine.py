@@ -104,7 +104,7 @@ def test_pair_check_refuses_other_vocab(target_path, other_vocab_path):
 
 
 def test_pair_check_reports_first_difference():
-    from localspec.backend import VocabInfo
+    from localspec.compat import VocabInfo
     from localspec.compat import first_difference
 
     a = VocabInfo("bpe", 100, 1, 2, False, False, [b"t%d" % i for i in range(100)])

@@ -99,9 +99,14 @@ class LocalspecApp(App):
             self.view, self.error = view, error
             super().__init__()
 
-    def __init__(self, settings: dict, *, show_timings: bool = True, engine_loader=None) -> None:
+    class Notice(Message):
+        def __init__(self, text: str) -> None:
+            self.text = text
+            super().__init__()
+
+    def __init__(self, session, *, show_timings: bool = True, engine_loader=None) -> None:
         super().__init__()
-        self.s = dict(settings)
+        self.session = session
         self.show_timings = show_timings
         self.engine = None
         self.pair_name = _display_name(str(self.s.get("model")))
@@ -124,10 +129,20 @@ class LocalspecApp(App):
             yield StatsPanel(show_timings=self.show_timings, id="stats")
         yield Footer()
 
+    @property
+    def s(self) -> dict:
+        """The effective settings (flags > env > file > tune results > pair defaults), changes made here on top."""
+        return self.session.values()
+
     def on_mount(self) -> None:
         self.refresh_header()
         self.query_one(PromptBox).focus()
+        self.set_interval(0.5, self.tick)  # live figures even between tokens
         self.load_models(self.s["model"])
+
+    def tick(self) -> None:
+        if self.generating and self.engine is not None and self.engine.last_stats is not None:
+            self.query_one(StatsPanel).update_stats(self.engine.last_stats)
 
     def refresh_header(self) -> None:
         backend = "CPU"
@@ -137,26 +152,28 @@ class LocalspecApp(App):
                                        float(self.s.get("temperature") or 0.0), backend, self.show_colors)
 
     def current_k(self) -> int:
-        return int(self.s.get("draft_tokens") or 4)
+        k = self.s.get("draft_tokens")
+        return 4 if k is None else int(k)
 
     # ------------------------------------------------------------------ loading
     @work(thread=True, exclusive=True, group="load")
     def load_models(self, model: str) -> None:
+        before = dict(self.session.overrides)
         try:
+            if model != self.s["model"]:
+                self.session.set("model", model)
             if self._loader is not None:
-                engine = self._loader({**self.s, "model": model})
+                engine = self._loader(self.s)
             else:
-                from ..cli import load_engine
-
-                engine, pair, target, draft = load_engine({**self.s, "model": model}, quiet=True)
-                if pair is not None and not self.s.get("draft_tokens"):
-                    self.s["draft_tokens"] = pair.k
+                engine = self.session.load()
             if (self.s.get("method") or "auto") != "none":
                 engine.exact_k(self.current_k())  # the one-time exactness probe runs behind the loading indicator
             self.post_message(self.Loaded(engine, model))
         except LocalspecError as exc:
+            self.session.overrides = before
             self.post_message(self.LoadFailed(str(exc)))
         except Exception as exc:  # a crash in loading must not take the app down
+            self.session.overrides = before
             self.post_message(self.LoadFailed(f"{type(exc).__name__}: {exc}"))
 
     def on_localspec_app_loaded(self, msg: Loaded) -> None:
@@ -218,21 +235,19 @@ class LocalspecApp(App):
 
             if arg not in METHODS:
                 raise UsageError(f"/method takes one of {', '.join(METHODS)}")
-            self.s["method"] = arg
+            self.session.set("method", arg)
         elif cmd == "/k":
-            if not arg.isdigit() or not 0 <= int(arg) <= 64:
-                raise UsageError("/k takes a number from 0 to 64")
-            self.s["draft_tokens"] = int(arg)
+            if not arg.isdigit():
+                raise UsageError("/k takes a whole number >= 0")
+            self.session.set("draft_tokens", int(arg))
         elif cmd == "/temp":
             try:
                 t = float(arg)
             except ValueError:
                 raise UsageError("/temp takes a number >= 0") from None
-            if not t >= 0 or t != t:
-                raise UsageError("/temp takes a number >= 0")
-            self.s["temperature"] = t
+            self.session.set("temperature", t)
         elif cmd == "/system":
-            self.s["system"] = arg or None
+            self.session.set("system", arg or None)
             self.notify("system prompt " + ("set" if arg else "cleared"))
         elif cmd == "/clear":
             if self.generating:
@@ -258,20 +273,7 @@ class LocalspecApp(App):
 
     # ------------------------------------------------------------------ generation
     def gen_config(self, method: str | None = None):
-        from ..engine import GenConfig
-        from ..sampling import SamplingParams
-
-        s = self.s
-        return GenConfig(
-            method=method or s.get("method") or "auto",
-            k=self.current_k(),
-            max_tokens=int(s.get("max_tokens") or 512),
-            sampling=SamplingParams(temperature=float(s.get("temperature") or 0.0), top_k=int(s.get("top_k") or 0),
-                                    top_p=float(s.get("top_p") or 1.0), min_p=float(s.get("min_p") or 0.0), seed=s.get("seed")),
-            p_min=float(s.get("p_min") if s.get("p_min") is not None else 0.75),
-            lookup_min=int(s.get("lookup_min") or 2),
-            lookup_max=int(s.get("lookup_max") or 4),
-        )
+        return self.session.gen_config(**({"method": method} if method else {}))
 
     def start_generation(self, messages: list[dict], method: str | None = None, compare_with=None) -> None:
         try:
@@ -288,17 +290,23 @@ class LocalspecApp(App):
     def generate(self, messages, cfg, view, compare_with) -> None:
         from ..engine import Finished
 
+        from ..session import generation_slot
+
         try:
             tokens = self.engine.chat_prompt(messages)
-            for ev in self.engine.generate(tokens, cfg, cancel=self._cancel):
-                if isinstance(ev, Finished):
-                    self.post_message(self.Done(view, ev, compare_with))
-                else:
-                    self.post_message(self.Token(view, ev.text, ev.drafted, self.engine.last_stats))
+            with generation_slot(waiting=lambda m: self.post_message(self.Notice(m))):
+                for ev in self.engine.generate(tokens, cfg, cancel=self._cancel):
+                    if isinstance(ev, Finished):
+                        self.post_message(self.Done(view, ev, compare_with))
+                    else:
+                        self.post_message(self.Token(view, ev.text, ev.drafted, self.engine.last_stats))
         except LocalspecError as exc:
             self.post_message(self.Failed(view, str(exc)))
         except Exception as exc:
             self.post_message(self.Failed(view, f"{type(exc).__name__}: {exc}"))
+
+    def on_localspec_app_notice(self, msg: Notice) -> None:
+        self.notify(msg.text)
 
     def on_localspec_app_token(self, msg: Token) -> None:
         msg.view.append(msg.text, msg.drafted)
@@ -412,6 +420,11 @@ def _display_name(model: str) -> str:
     return Path(model).name if looks_like_path(model) else model
 
 
-def create_app(settings: dict, *, show_timings: bool = True, engine_loader=None) -> LocalspecApp:
-    """The one app factory, used by `localspec chat` and by the tests."""
-    return LocalspecApp(settings, show_timings=show_timings, engine_loader=engine_loader)
+def create_app(session, *, show_timings: bool = True, engine_loader=None) -> LocalspecApp:
+    """The one app factory, used by `localspec chat` and by the tests. `session`: a session.Session, or a dict of
+    settings given as flags."""
+    from ..session import Session
+
+    if not isinstance(session, Session):
+        session = Session(dict(session), quiet=True)
+    return LocalspecApp(session, show_timings=show_timings, engine_loader=engine_loader)

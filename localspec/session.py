@@ -1,0 +1,282 @@
+"""The session layer that `run`, `chat`, `bench`, `tune` (and the server) share: it resolves settings with the
+source of each value, resolves and fetches the models, builds the `GenConfig`, loads the engine and takes a
+machine-wide generation slot. It sits on the engine and never imports the CLI or the TUI.
+
+Precedence, highest first: a flag (or a change made in chat with /method, /k ...) > LOCALSPEC_* environment >
+config file > the stored `localspec tune` result for the pair > the pair's defaults > built-in defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from . import config
+from .config import Setting
+from .errors import UsageError
+
+# keys `localspec tune` stores -> setting names
+TUNED_KEYS = {"method": "method", "k": "draft_tokens", "p_min": "p_min"}
+MAX_THREADS_FACTOR = 4  # threads beyond 4x the cores only make llama.cpp's spinning threads fight
+MAX_THREADS = 512
+
+
+def tuned_results() -> dict:
+    return config.load_toml(config.config_file()).get("tuned") or {}
+
+
+def pair_for(model: str | None):
+    """The registry pair a model setting names, or None for a path."""
+    from . import registry
+
+    if not model or registry.looks_like_path(model):
+        return None
+    return registry.get(model)
+
+
+def tuned_key(model: str, pair) -> str:
+    return pair.name if pair is not None else Path(model).name
+
+
+def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
+                     *, strict: bool = True) -> dict[str, Setting]:
+    """Every setting with its value and where it came from. `overrides` are changes made during a session
+    (chat's slash commands); they rank with flags. strict=False tolerates an unknown pair name (for display)."""
+    flags = {k: v for k, v in (flags or {}).items() if v is not None}
+    merged = {**flags, **{k: v for k, v in (overrides or {}).items()}}
+    out = config.resolve(merged)
+    for k in overrides or {}:
+        if k in out:
+            out[k] = Setting(overrides[k], "chat")
+    model = out["model"].value
+    try:
+        pair = pair_for(model)
+    except UsageError:
+        if strict:
+            raise
+        pair = None
+    if pair is not None:
+        for key, value in (("draft_tokens", pair.k), ("ctx_size", pair.ctx)):
+            if out[key].source == "default":
+                out[key] = Setting(value, f"pair {pair.name}")
+    tuned = tuned_results().get(tuned_key(model, pair), {})
+    for tkey, key in TUNED_KEYS.items():
+        if tkey in tuned and (out[key].source == "default" or out[key].source.startswith("pair ")):
+            try:
+                value = config.coerce(key, tuned[tkey], "stored tune result")
+            except UsageError:
+                continue  # a hand-edited, broken tune entry is ignored rather than fatal
+            out[key] = Setting(value, f"tune ({tuned.get('tuned_at', 'stored')})")
+    return out
+
+
+def validate(v: dict[str, Any]) -> None:
+    """The checks every front end applies before anything is loaded (run, chat and its slash commands, bench)."""
+    from .engine import METHODS
+
+    if v.get("method") not in METHODS:
+        raise UsageError(f"unknown method {v.get('method')!r}; choose one of {', '.join(METHODS)}")
+    t = v.get("threads")
+    if t is not None:
+        cap = max_threads()
+        if not 1 <= t <= cap:
+            raise UsageError(f"threads must be between 1 and {cap}, got {t}")
+    ctx = v.get("ctx_size")
+    if ctx is not None and ctx < 16:
+        raise UsageError(f"context size must be >= 16, got {ctx}")
+    for key in ("temperature", "top_p", "min_p", "p_min"):
+        x = v.get(key)
+        if x is not None and not math.isfinite(x):
+            raise UsageError(f"{key.replace('_', '-')} must be a finite number, got {x}")
+    seed = v.get("seed")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise UsageError(f"seed must be between 0 and 2^63-1, got {seed}")
+    gen_config(v)  # k, sampling and lookup ranges
+
+
+def max_threads() -> int:
+    from os import cpu_count
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS
+        cores = cpu_count() or 1
+    return min(MAX_THREADS, MAX_THREADS_FACTOR * cores)
+
+
+def gen_config(v: dict[str, Any], stop=None):
+    """The engine's GenConfig from resolved setting values (validated there)."""
+    from .engine import GenConfig
+    from .sampling import SamplingParams
+
+    k = v.get("draft_tokens")
+    return GenConfig(
+        method=v.get("method") or "auto",
+        k=4 if k is None else int(k),
+        max_tokens=v.get("max_tokens") if v.get("max_tokens") is not None else 512,
+        stop=tuple(stop or ()),
+        sampling=SamplingParams(
+            temperature=v.get("temperature") or 0.0, top_k=v.get("top_k") or 0,
+            top_p=1.0 if v.get("top_p") is None else v["top_p"], min_p=v.get("min_p") or 0.0, seed=v.get("seed"),
+        ),
+        p_min=0.75 if v.get("p_min") is None else v["p_min"],
+        lookup_min=v.get("lookup_min") or 2,
+        lookup_max=v.get("lookup_max") or 4,
+    )
+
+
+class Session:
+    """One user's settings and loaded models, shared by a command's whole lifetime (a chat, a bench run)."""
+
+    def __init__(self, flags: dict[str, Any] | None = None, *, quiet: bool = False,
+                 announce: Callable[[str], None] | None = None) -> None:
+        self.flags = {k: v for k, v in (flags or {}).items() if v is not None}
+        self.overrides: dict[str, Any] = {}
+        self.quiet = quiet
+        self.announce = announce
+        self.engine = None
+        self.pair = None
+        self.target_path: Path | None = None
+        self.draft_path: Path | None = None
+
+    # ------------------------------------------------------------ settings
+    def settings(self) -> dict[str, Setting]:
+        return resolve_settings(self.flags, self.overrides)
+
+    def values(self) -> dict[str, Any]:
+        return {k: s.value for k, s in self.settings().items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values()[key]
+
+    def set(self, key: str, value: Any) -> None:
+        """A change made during the session (chat's /method, /k, /temp ...): it wins over stored tune results.
+        Validated as a flag would be; on error nothing changes."""
+        if key not in config.SETTINGS:
+            raise UsageError(f"unknown setting {key}")
+        trial = {**self.overrides, key: value}
+        validate({k: s.value for k, s in resolve_settings(self.flags, trial).items()})
+        self.overrides = trial
+
+    def check(self) -> None:
+        """Fail on bad values before loading gigabytes."""
+        validate(self.values())
+
+    def gen_config(self, stop=None, **changes):
+        v = {**self.values(), **changes}
+        return gen_config(v, stop)
+
+    # ------------------------------------------------------------ models
+    def resolve_models(self) -> tuple[Path, Path | None, Any]:
+        """(target path, draft path or None, pair or None). A pair's files are fetched on first use."""
+        from . import download, registry
+
+        v = self.values()
+        model, draft, method = v["model"], v["draft"], v["method"]
+
+        def local(path: str, role: str) -> Path:
+            p = Path(path).expanduser()
+            if not p.is_file():
+                raise UsageError(f"{role} file not found: {path}")
+            return p
+
+        pair = None
+        if registry.looks_like_path(model):
+            target = local(model, "model")
+        else:
+            pair = registry.get(model)
+            target = download.ensure(pair.target, quiet=self.quiet)
+        draft_path = None
+        if method != "none":
+            if draft:
+                if registry.looks_like_path(draft):
+                    draft_path = local(draft, "draft")
+                else:
+                    dp = registry.get(draft)
+                    draft_path = download.ensure(dp.draft or dp.target, quiet=self.quiet)
+            elif pair is not None and pair.draft is not None and method in ("auto", "draft"):
+                draft_path = download.ensure(pair.draft, quiet=self.quiet)
+        return target, draft_path, pair
+
+    def load(self):
+        """Resolve, fetch and load the models; the engine replaces any loaded before."""
+        from .engine import Engine
+
+        self.check()
+        target, draft, pair = self.resolve_models()
+        v = self.values()
+        if self.announce:
+            self.announce(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ...")
+        engine = Engine.load(
+            target, draft, n_ctx=v["ctx_size"], gpu_layers=v["gpu_layers"], draft_gpu_layers=v["draft_gpu_layers"],
+            threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
+        )
+        self.close()
+        self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft
+        return engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------- machine-wide generation slots
+def parallel_slots() -> int:
+    raw = os.environ.get("LOCALSPEC_PARALLEL", "")
+    if raw == "":
+        return 1
+    try:
+        n = int(raw)
+    except ValueError:
+        raise UsageError(f"LOCALSPEC_PARALLEL must be a whole number >= 1, got {raw!r}") from None
+    if n < 1:
+        raise UsageError(f"LOCALSPEC_PARALLEL must be a whole number >= 1, got {raw!r}")
+    return n
+
+
+@contextlib.contextmanager
+def generation_slot(waiting: Callable[[str], None] | None = None, poll_s: float = 0.05) -> Iterator[int]:
+    """Take one of LOCALSPEC_PARALLEL (default 1) machine-wide slots for a generation. llama.cpp's threads spin
+    while they wait for work, so two generations at once on the same cores each run far below half speed; in
+    turn, they finish sooner. Yields the slot number; `waiting` is told once when another process holds them all."""
+    from filelock import FileLock, Timeout
+
+    from .cachefile import cache_dir
+
+    n = parallel_slots()
+    d = cache_dir() / "locks"
+    d.mkdir(parents=True, exist_ok=True)
+    locks = [FileLock(str(d / f"generation-slot-{i}.lock")) for i in range(n)]
+    told = False
+    while True:
+        for i, lock in enumerate(locks):
+            try:
+                lock.acquire(timeout=0)
+            except Timeout:
+                continue
+            try:
+                yield i
+            finally:
+                lock.release()
+            return
+        if not told and waiting is not None:
+            waiting(f"waiting for another localspec generation to finish ({n} at a time; LOCALSPEC_PARALLEL=N allows more)")
+            told = True
+        time.sleep(poll_s)
+
+
+def stderr_note(msg: str) -> None:
+    sys.stderr.write(msg + "\n")
+    sys.stderr.flush()
