@@ -372,6 +372,13 @@ def plot_png(path: Path, rows) -> None:
 
 
 def check_out(path: Path | None) -> None:
+    """Before a run: an output file must be writable where it is asked for, and is never overwritten silently."""
+    if path is not None:
+        parent = Path(path).expanduser().absolute().parent
+        if not parent.is_dir():
+            raise UsageError(f"cannot write {path}: folder {parent} does not exist")
+        if Path(path).is_dir():
+            raise UsageError(f"cannot write {path}: it is a folder")
     if path is not None and Path(path).exists() and not sys.stdin.isatty():
         raise UsageError(f"{path} exists; refusing to overwrite it (remove it or choose another name)")
     if path is not None and Path(path).exists():

@@ -31,6 +31,30 @@ app = typer.Typer(
         "  localspec bench --methods none,draft,lookup --k 2,4,8"
     ),
 )
+def _plain_type_names() -> None:
+    """Help shows TEXT / N / X / PATH, not typer's internal type names (`<bool>`, `<str>`, `<list[str]>`)."""
+    try:
+        from typer.core import _TyperParameter
+    except ImportError:  # pragma: no cover - other typer versions print click's own metavars
+        return
+    orig = getattr(_TyperParameter, "display_type", None)
+    if orig is None or getattr(orig, "_localspec", False):
+        return
+    names = {"<bool>": None, "<str>": "TEXT", "<int>": "N", "<float>": "X", "<list[str]>": "TEXT", "<path>": "PATH",
+             "<Path>": "PATH"}
+
+    def display_type(self, ctx):
+        label = orig(self, ctx)
+        if getattr(self, "is_flag", False):
+            return None
+        return names.get(label, label.strip("<>").upper() if isinstance(label, str) else label)
+
+    display_type._localspec = True
+    _TyperParameter.display_type = display_type
+
+
+_plain_type_names()
+
 models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
@@ -65,12 +89,33 @@ def _root(
 
 
 # ----------------------------------------------------------------- shared options
-ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Pair name or target GGUF path.", show_default=False)]
-DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft GGUF path, or a pair name (its draft).", show_default=False)]
-MethodOpt = Annotated[Optional[str], typer.Option("--method", help="auto | draft | lookup | none.", show_default=False)]
-KOpt = Annotated[Optional[int], typer.Option("-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use).", show_default=False)]
-TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0 = greedy (default).", show_default=False)]
-SystemOpt = Annotated[Optional[str], typer.Option("-s", "--system", help="System prompt.", show_default=False)]
+def _setting_help(key: str, text: str | None = None) -> str:
+    typ, default, desc = config.SETTINGS[key]
+    shown = {None: None}.get(default, default)
+    d = f" (default: {shown})" if shown not in (None, "") else ""
+    return (text or desc[0].upper() + desc[1:] + ".") + d
+
+
+def _opt(key: str, *names: str, help: str | None = None, typ=None):
+    """An option for a setting: None when not given (so env, config file, tune results and pair defaults apply);
+    the help shows the built-in default."""
+    t = typ or config.SETTINGS[key][0]
+    return Annotated[Optional[t], typer.Option(*names, help=_setting_help(key, help), show_default=False, metavar=_META[t])]
+
+
+_META = {str: "TEXT", int: "N", float: "X"}
+
+ModelOpt = _opt("model", "-m", "--model", help="Pair name, GGUF path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT].")
+DraftOpt = _opt("draft", "-d", "--draft", help="Draft GGUF path, hub name, or a pair name (its draft).")
+MethodOpt = _opt("method", "--method", help="How to speculate: auto | draft | lookup | none.")
+KOpt = _opt("draft_tokens", "-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use); default: the pair's k, else 4.")
+TempOpt = _opt("temperature", "-t", "--temperature", "--temp", help="Sampling temperature; 0 = greedy.")
+SystemOpt = _opt("system", "-s", "--system", help="System prompt.")
+MaxTokOpt = _opt("max_tokens", "-n", "--max-tokens", help="Most tokens to generate.")
+CtxOpt = _opt("ctx_size", "-c", "--ctx-size", help="Context size in tokens; default: the pair's, else 4096.")
+GpuOpt = _opt("gpu_layers", "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target layers offloaded to the GPU (-1 = all).")
+DraftGpuOpt = _opt("draft_gpu_layers", "--draft-gpu-layers", "-ngld", help="Draft layers offloaded to the GPU (-1 = all).")
+ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.")
 
 
 def flags(**kw) -> dict:
@@ -157,6 +202,21 @@ def live_line(stats) -> str:
             f"{stats.tokens_per_pass:4.2f} tok/pass  {stats.completion_tokens} tok")
 
 
+def short_summary(stats, finish: str) -> str:
+    """The default end-of-run line, e.g. `128 tokens · 27.9 tok/s · 1.3x vs plain est. · 64% accepted`."""
+    parts = [f"{stats.completion_tokens} tokens", f"{rate_text(stats.rate())} tok/s"]
+    est = stats.speedup_estimate()
+    if est is not None:
+        parts.append(f"{est:.1f}x vs plain est.")
+    if stats.drafted:
+        parts.append(f"{stats.acceptance_rate:.0%} accepted")
+    else:
+        parts.append("no drafts")
+    if finish not in ("stop", "length"):
+        parts.append(finish)
+    return " · ".join(parts)
+
+
 def summary_line(stats, finish: str) -> str:
     used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
     mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
@@ -234,23 +294,24 @@ def run(
     draft: DraftOpt = None,
     method: MethodOpt = None,
     draft_tokens: KOpt = None,
-    p_min: Annotated[Optional[float], typer.Option("--p-min", help="Draft model stops below this top probability.", show_default=False)] = None,
-    lookup_min: Annotated[Optional[int], typer.Option("--lookup-min", help="Shortest n-gram for prompt lookup.", show_default=False)] = None,
-    lookup_max: Annotated[Optional[int], typer.Option("--lookup-max", help="Longest n-gram for prompt lookup.", show_default=False)] = None,
-    max_tokens: Annotated[Optional[int], typer.Option("-n", "--max-tokens", help="Most tokens to generate.", show_default=False)] = None,
+    p_min: _opt("p_min", "--p-min", help="The draft model stops drafting when its top probability falls below this.") = None,
+    lookup_min: _opt("lookup_min", "--lookup-min", help="Shortest n-gram for prompt lookup.") = None,
+    lookup_max: _opt("lookup_max", "--lookup-max", help="Longest n-gram for prompt lookup.") = None,
+    max_tokens: MaxTokOpt = None,
     temperature: TempOpt = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", show_default=False)] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", show_default=False)] = None,
-    min_p: Annotated[Optional[float], typer.Option("--min-p", show_default=False)] = None,
-    seed: Annotated[Optional[int], typer.Option("--seed", show_default=False)] = None,
+    top_k: _opt("top_k", "--top-k", help="Sample from the k most likely tokens only; 0 = off.") = None,
+    top_p: _opt("top_p", "--top-p", help="Nucleus sampling; 1 = off.") = None,
+    min_p: _opt("min_p", "--min-p", help="Drop tokens below this fraction of the top probability; 0 = off.") = None,
+    seed: _opt("seed", "--seed", help="Sampling seed (0 to 2^63-1); default: random.") = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).", show_default=False)] = None,
     system: SystemOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt goes in as-is.")] = False,
-    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
-    gpu_layers: Annotated[Optional[int], typer.Option("--gpu-layers", show_default=False)] = None,
-    draft_gpu_layers: Annotated[Optional[int], typer.Option("--draft-gpu-layers", show_default=False)] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    ctx_size: CtxOpt = None,
+    gpu_layers: GpuOpt = None,
+    draft_gpu_layers: DraftGpuOpt = None,
+    threads: ThreadsOpt = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr but errors.")] = False,
+    verbose: Annotated[bool, typer.Option("-v", "--verbose", help="The full breakdown at the end (timings, steps, k, controller).")] = False,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
 ):
@@ -314,8 +375,8 @@ def run(
                     out.write(partial + ("" if partial.endswith("\n") else "\n"))
                 out.flush()
                 if not quiet and stats is not None:
-                    sys.stderr.write(summary_line(stats, "interrupted") + "\n")
-                raise typer.Exit(130)
+                    sys.stderr.write((summary_line if verbose else short_summary)(stats, "interrupted") + "\n")
+                raise typer.Exit(INTERRUPT_EXIT)
             finally:
                 status.stop()
         stats = fin.stats
@@ -328,14 +389,19 @@ def run(
             out.write(fin.text + ("" if fin.text.endswith("\n") else "\n"))
         out.flush()
         if not quiet:
-            sys.stderr.write(summary_line(stats, fin.finish_reason) + "\n")
+            sys.stderr.write((summary_line if verbose else short_summary)(stats, fin.finish_reason) + "\n")
     finally:
         sess.close()
 
 
 # ----------------------------------------------------------------- config
-@app.command("config")
+config_app = typer.Typer(help="Show the effective settings, or set and unset them in the config file.")
+app.add_typer(config_app, name="config")
+
+
+@config_app.callback(invoke_without_command=True)
 def config_cmd(
+    ctx: typer.Context,
     model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ):
@@ -343,6 +409,8 @@ def config_cmd(
 
     Precedence, highest first: flag > LOCALSPEC_* environment > config file > stored tune result > pair default >
     built-in default."""
+    if ctx.invoked_subcommand is not None:
+        return
     from .session import resolve_settings, tuned_results
 
     eff = resolve_settings(flags(model=model), strict=False)
@@ -358,6 +426,44 @@ def config_cmd(
                 title=f"config file: {config.config_file()}")
     for name, vals in tuned.items():
         typer.echo(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items()))
+
+
+def _setting_key(key: str) -> str:
+    k = key.replace("-", "_")
+    if k not in config.SETTINGS:
+        import difflib
+
+        close = difflib.get_close_matches(k, list(config.SETTINGS), n=1)
+        raise UsageError(f"unknown setting {key!r}" + (f"; did you mean {close[0]}?" if close else "; see `localspec config`"))
+    return k
+
+
+@config_app.command("set")
+def config_set(key: Annotated[str, typer.Argument(help="Setting name, as `localspec config` lists them.")],
+               value: Annotated[str, typer.Argument(help="The value.")]):
+    """Store a setting in the config file (validated first; the file's other keys and comments-free layout kept)."""
+    from .session import resolve_settings, validate
+
+    k = _setting_key(key)
+    v = config.coerce(k, value, "config set")
+    validate({kk: s.value for kk, s in resolve_settings({k: v}, strict=False).items()} | {k: v})
+    config.update_file(config.config_file(), lambda d: d.__setitem__(k, v))
+    sys.stderr.write(f"{k} = {v!r} in {config.config_file()}\n")
+
+
+@config_app.command("unset")
+def config_unset(key: Annotated[str, typer.Argument(help="Setting name.")]):
+    """Remove a setting from the config file (the next source in the precedence applies again)."""
+    k = _setting_key(key)
+    found = []
+
+    def drop(d):
+        for name in (k, k.replace("_", "-")):
+            if name in d:
+                found.append(d.pop(name))
+
+    config.update_file(config.config_file(), drop)
+    sys.stderr.write(f"{k} removed from {config.config_file()}\n" if found else f"{k} was not set in {config.config_file()}\n")
 
 
 # ----------------------------------------------------------------- models
@@ -626,11 +732,13 @@ def bench(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report as JSON.", show_default=False)] = None,
     csv_out: Annotated[Optional[Path], typer.Option("--csv", help="Write per-run rows as CSV.", show_default=False)] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Speedup chart PNG (needs matplotlib).", show_default=False)] = None,
-    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    ctx_size: CtxOpt = None,
+    gpu_layers: GpuOpt = None,
+    draft_gpu_layers: DraftGpuOpt = None,
+    threads: ThreadsOpt = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
-    sess = _bench_session(model, draft, ctx_size, threads)
+    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers)
     _bench(sess, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
@@ -644,19 +752,22 @@ def tune(
     p_mins: Annotated[str, typer.Option("--p-min", help="p_min values to sweep (draft method).")] = "0.5,0.75",
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens")] = 96,
     limit: Annotated[int, typer.Option("--limit", help="Prompts per category in the sample.")] = 1,
-    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
-    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    ctx_size: CtxOpt = None,
+    gpu_layers: GpuOpt = None,
+    draft_gpu_layers: DraftGpuOpt = None,
+    threads: ThreadsOpt = None,
 ):
     """Sweep k (and p_min) on a sample, store the fastest config for this pair in the user config."""
-    sess = _bench_session(model, draft, ctx_size, threads)
+    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers)
     _tune(sess, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
 
-def _bench_session(model, draft, ctx_size, threads):
+def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers):
     from .session import Session
 
     # bench and tune compare methods themselves: the draft is loaded whatever the configured method is
-    sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto"))
+    sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, gpu_layers=gpu_layers,
+                         draft_gpu_layers=draft_gpu_layers, method="auto"))
     sess.check()
     return sess
 
@@ -680,13 +791,28 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         configs = B.parse_configs(methods, ks, has_draft=engine.draft is not None)
         if not configs:
             raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
-        with generation_slot(waiting=console.print):
-            calib = B.calibrate(engine, max(c.k for c in configs) + 1)
-            total = len(ps) * repeat * len(configs) * 2
-            with Progress(console=console, transient=True) as prog:
-                task = prog.add_task("benchmarking", total=total)
-                results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
-                                      on_run=lambda r: prog.advance(task))
+        done: list = []
+        calib = None
+        total = len(ps) * repeat * len(configs) * 2
+        try:
+            with generation_slot(waiting=console.print):
+                calib = B.calibrate(engine, max(c.k for c in configs) + 1)
+                with Progress(console=console, transient=True) as prog:
+                    task = prog.add_task("benchmarking", total=total)
+
+                    def on_run(r):
+                        done.append(r)
+                        prog.advance(task)
+
+                    results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat,
+                                          temperature=temperature, on_run=on_run)
+        except KeyboardInterrupt:
+            global INTERRUPT_REPORTED
+            INTERRUPT_REPORTED = True
+            if done:
+                B.print_report(B.summarize(done, calib), Console())
+            console.print(f"interrupted after {len(done)} of {total} runs" + (" (the table above covers those)" if done else ""))
+            raise typer.Exit(INTERRUPT_EXIT) from None
         rows = B.summarize(results, calib)
         B.print_report(rows, Console())
         meta = {"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None,
@@ -746,7 +872,44 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
 COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune"}
 
 
+INTERRUPT_EXIT = 130  # 128 + the signal that stopped us (SIGINT 130, SIGHUP 129, SIGTERM 143)
+
+
+def _on_signal(signum, frame) -> None:
+    """SIGTERM and SIGHUP stop a generation the way Ctrl-C does: the partial answer and the summary are kept."""
+    global INTERRUPT_EXIT
+    INTERRUPT_EXIT = 128 + signum
+    raise KeyboardInterrupt
+
+
+def _install_signals() -> None:
+    import signal
+
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                signal.signal(sig, _on_signal)
+            except (ValueError, OSError):  # not the main thread (embedded use)
+                pass
+
+
+def _interrupted() -> None:
+    from . import download
+
+    if not INTERRUPT_REPORTED:
+        note = " (the partial download is kept and resumes next time)" if download.STARTED_DOWNLOAD else ""
+        sys.stderr.write(f"\ninterrupted{note}\n")
+    sys.exit(INTERRUPT_EXIT)
+
+
 def main(argv: list[str] | None = None) -> None:
+    # a closed stdout/stderr (`localspec run ... >&-`) is a place where output goes nowhere, not a crash
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
+    _install_signals()
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if a not in ("--debug",)), None)
     if first is None:
@@ -756,6 +919,7 @@ def main(argv: list[str] | None = None) -> None:
         argv.insert(argv.index(first), "run")  # `localspec "prompt"` behaves as `localspec run "prompt"`
     try:
         rc = app(args=argv, prog_name="localspec", standalone_mode=False)
+        sys.stdout.flush()
     except LocalspecError as exc:
         if DEBUG:
             raise
@@ -765,24 +929,28 @@ def main(argv: list[str] | None = None) -> None:
         _quiet_pipe()
         sys.exit(0)
     except KeyboardInterrupt:
-        sys.stderr.write("\ninterrupted\n")
-        sys.exit(130)
+        _interrupted()
     except Exception as exc:  # click's (typer may vendor it) exit, abort and usage errors; anything unexpected
         kind = type(exc).__name__
         if kind == "Exit":
             sys.exit(getattr(exc, "exit_code", 0))
         if kind == "Abort":
+            if isinstance(exc.__context__, KeyboardInterrupt):
+                _interrupted()
             sys.stderr.write("aborted\n")
             sys.exit(1)
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # bad flags, missing values
             _err(exc.format_message().splitlines()[0] + " (see --help)")
             sys.exit(2)
+        if isinstance(exc.__context__, BrokenPipeError) or isinstance(exc, OSError) and exc.errno == 32:
+            _quiet_pipe()
+            sys.exit(0)
         if DEBUG:
             raise
         _err(f"{type(exc).__name__}: {exc} (run with --debug for the traceback)")
         sys.exit(1)
-    if rc == 130 and not INTERRUPT_REPORTED:  # typer turns Ctrl-C into exit code 130
-        sys.stderr.write("\ninterrupted (a partial download is kept and resumes next time)\n")
+    if rc == 130:  # typer turns Ctrl-C into exit code 130
+        _interrupted()
     sys.exit(rc if isinstance(rc, int) else 0)
 
 

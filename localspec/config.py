@@ -50,11 +50,16 @@ def config_file() -> Path:
 
 
 def load_toml(path: Path) -> dict:
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"config file {path} is a directory (LOCALSPEC_CONFIG must name a file)")
     if not path.is_file():
         return {}
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read config file {path}: it is not UTF-8 text") from None
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise UsageError(f"cannot read config file {path}: {exc}") from None
 

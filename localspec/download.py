@@ -109,6 +109,9 @@ def ensure(spec: FileSpec, *, quiet: bool = False) -> Path:
         return _ensure(spec, quiet=quiet)
 
 
+STARTED_DOWNLOAD = False  # True once this process began fetching bytes (the interrupt message depends on it)
+
+
 def _ensure(spec: FileSpec, *, quiet: bool) -> Path:
     p = local_path(spec)
     if p is not None:
@@ -243,6 +246,8 @@ def _from_hub(spec: FileSpec, *, quiet: bool) -> Path:
 def _resumable_get(url: str, part: Path, size: int | None, headers: dict, *, show: bool, label: str,
                    attempts: int = 5) -> None:
     """GET into `part`, continuing from its current size with a range request; retried on dropped connections."""
+    global STARTED_DOWNLOAD
+    STARTED_DOWNLOAD = True
     import urllib.error
     import urllib.request
 
@@ -312,6 +317,8 @@ def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool) -> Path:
             fh.truncate(state["bytes"])
     elif not part.exists():
         state = {"parts": 0, "bytes": 0}
+    global STARTED_DOWNLOAD
+    STARTED_DOWNLOAD = True
     prog = None if quiet else _progress()
     try:
         if prog:

@@ -334,6 +334,8 @@ class Engine:
                 te = time.perf_counter()
                 stats.draft_s += tv - td
                 stats.verify_s += te - tv
+                if not gamma:
+                    stats.plain_s += te - tv
                 stats.record_step(gamma, n_acc)
                 if drafter is not None and gamma:
                     stats.method_used[drafter.name] += 1

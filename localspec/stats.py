@@ -17,6 +17,7 @@ class Stats:
     accepted: int = 0
     target_passes: int = 0  # target decodes during generation (each emits >= 1 token)
     drafting_steps: int = 0  # target passes that verified at least one drafted token
+    plain_s: float = 0.0  # time of the one-token target passes (no draft): what plain decoding costs per token
     drafted_at: list[int] = field(default_factory=list)  # per draft position: times a token was drafted there
     accepted_at: list[int] = field(default_factory=list)  # per draft position: times it was accepted
     prompt_s: float = 0.0  # prompt decode time (both models)
@@ -81,6 +82,18 @@ class Stats:
     def tokens_per_second(self) -> float:
         g = self.generation_s
         return self.completion_tokens / g if g > 0 else 0.0
+
+    @property
+    def plain_steps(self) -> int:
+        return self.target_passes - self.drafting_steps
+
+    def speedup_estimate(self) -> float | None:
+        """tokens/s over what plain decoding would give, estimated from this answer's own one-token target passes
+        (None when there were too few of them, or nothing was drafted)."""
+        rate = self.rate()
+        if rate is None or self.plain_steps < 3 or not self.drafting_steps or self.plain_s <= 0:
+            return None
+        return rate * self.plain_s / self.plain_steps
 
     def rate(self) -> float | None:
         """tokens/s over the answer so far, or None when the sample is too small to mean anything."""
