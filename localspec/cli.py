@@ -55,6 +55,21 @@ def _plain_type_names() -> None:
 
 _plain_type_names()
 
+
+def _rich_pipe_is_quiet() -> None:
+    """rich ends the process with exit 1 when stdout's reader goes away (`localspec --help | head -1`); a closed
+    pipe is the reader's choice, not an error: raise BrokenPipeError so main() ends quietly like for the answer."""
+    from rich.console import Console
+
+    def on_broken_pipe(self) -> None:
+        _quiet_pipe()
+        raise BrokenPipeError
+
+    Console.on_broken_pipe = on_broken_pipe
+
+
+_rich_pipe_is_quiet()
+
 models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
@@ -235,12 +250,18 @@ def main_method(stats) -> str:
 
 
 def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") -> dict:
+    if stats is None:  # interrupted before the first step
+        from .stats import Stats
+
+        stats = Stats()
     return {
         "text": fin.text if fin else text,
         "finish_reason": "interrupted" if interrupted else fin.finish_reason,
         "method": main_method(stats),
         "requested_method": gen_cfg.method,
         "draft_tokens": gen_cfg.k,
+        "k_requested": gen_cfg.k,
+        "k_in_use": stats.k_cap if stats is not None else None,
         "target": engine.target.name,
         "draft": engine.draft.name if engine.draft is not None else None,
         "prompt_tokens": stats.prompt_tokens,
@@ -928,6 +949,11 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         _quiet_pipe()
         sys.exit(0)
+    except SystemExit as exc:  # click ends with exit 1 on a broken pipe: the reader's choice is not an error
+        if isinstance(exc.__context__, OSError) and exc.__context__.errno == 32:
+            _quiet_pipe()
+            sys.exit(0)
+        raise
     except KeyboardInterrupt:
         _interrupted()
     except Exception as exc:  # click's (typer may vendor it) exit, abort and usage errors; anything unexpected
