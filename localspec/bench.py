@@ -399,6 +399,8 @@ def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         configs = parse_configs(methods, ks, has_draft=engine.draft is not None)
         if not configs:
             raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
+        if getattr(engine.target, "rpc_servers", None):
+            console.print(f"target layers on RPC workers: {', '.join(engine.target.rpc_servers)}")
         calib = calibrate(engine, max(c.k for c in configs) + 1)
         total = len(ps) * repeat * len(configs) * 2
         with Progress(console=console, transient=True) as prog:
@@ -409,7 +411,8 @@ def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         print_report(rows, Console())
         meta = {"target": target.name, "draft": draft.name if draft else None, "max_tokens": max_tokens,
                 "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
-                "configs": [c.label for c in configs], "prompts": len(ps)}
+                "configs": [c.label for c in configs], "prompts": len(ps),
+                "rpc_workers": list(getattr(engine.target, "rpc_servers", None) or [])}
         if json_out:
             write_json(json_out, rows, results, calib, meta)
         if csv_out:

@@ -70,6 +70,8 @@ MethodOpt = Annotated[Optional[str], typer.Option("--method", help="auto | draft
 KOpt = Annotated[Optional[int], typer.Option("-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use).", show_default=False)]
 TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0 = greedy (default).", show_default=False)]
 SystemOpt = Annotated[Optional[str], typer.Option("-s", "--system", help="System prompt.", show_default=False)]
+RpcOpt = Annotated[Optional[str], typer.Option("--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.", show_default=False)]
+SplitOpt = Annotated[Optional[str], typer.Option("--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.", show_default=False)]
 
 
 def settings(**flags) -> dict:
@@ -145,6 +147,9 @@ def load_engine(s: dict, *, quiet: bool, announce=None):
 
     if s["method"] not in METHODS:
         raise UsageError(f"unknown method {s['method']!r}; choose one of {', '.join(METHODS)}")
+    from . import rpc
+
+    rpc.check_settings(s.get("rpc"), s.get("tensor_split"))  # before resolving/downloading the pair
     target, draft, pair = resolve_models(s["model"], s["draft"], s["method"], quiet=quiet)
     ctx = s["ctx_size"]
     if ctx is not None and ctx < 16:
@@ -156,6 +161,7 @@ def load_engine(s: dict, *, quiet: bool, announce=None):
     engine = Engine.load(
         target, draft, n_ctx=ctx, gpu_layers=s["gpu_layers"], draft_gpu_layers=s["draft_gpu_layers"],
         threads=s["threads"], drop_incompatible_draft=s["method"] == "auto",
+        rpc=s.get("rpc"), tensor_split=s.get("tensor_split"),
     )
     return engine, pair, target, draft
 
@@ -208,6 +214,7 @@ def summary_line(stats, finish: str) -> str:
         f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
         f"mean accepted length {stats.mean_accepted_length:.2f} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
+        + (f" | rpc workers: {', '.join(stats.rpc_workers)}" if stats.rpc_workers else "")
     )
 
 
@@ -243,6 +250,7 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False) -> dict:
         "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
         "controller": stats.reason or None,
         "draft_dropped": engine.dropped_draft,
+        "rpc_workers": list(stats.rpc_workers) if stats is not None else [],
     }
 
 
@@ -291,6 +299,8 @@ def run(
     gpu_layers: Annotated[Optional[int], typer.Option("--gpu-layers", show_default=False)] = None,
     draft_gpu_layers: Annotated[Optional[int], typer.Option("--draft-gpu-layers", show_default=False)] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr but errors.")] = False,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
@@ -300,6 +310,7 @@ def run(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
+        rpc=rpc, tensor_split=tensor_split,
     )
     piped = read_stdin()
     parts = [p for p in (piped, prompt) if p is not None and p.strip() != ""]
@@ -574,7 +585,7 @@ def models_add(
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache and models."""
     from . import download, registry
-    from .backend import default_threads, llama_cpp_version, supports_gpu_offload, system_info
+    from .backend import default_threads, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
     try:
@@ -582,6 +593,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
         info = system_info()
         report["system_info"] = info.strip()
         report["gpu_offload"] = supports_gpu_offload()
+        report["rpc"] = rpc_available()  # `localspec worker` and --rpc
     except Exception as exc:
         report["llama_cpp_python"] = f"not working: {exc}"
         info = ""
@@ -662,11 +674,14 @@ def bench(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="Speedup chart PNG (needs matplotlib).", show_default=False)] = None,
     ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
     threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
     from . import bench as B
 
-    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
+    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto", rpc=rpc,
+                 tensor_split=tensor_split)
     B.cli_bench(s, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
@@ -690,8 +705,30 @@ def tune(
     B.cli_tune(s, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
 
+# ----------------------------------------------------------------- worker
+@app.command(epilog="Example: on the worker machine `localspec worker --host 0.0.0.0`, then on yours "
+                    "`localspec run --rpc WORKER_IP:50052 \"prompt\"`.")
+def worker(
+    host: Annotated[str, typer.Option("--host", help="IPv4 address to listen on; anything but loopback exposes it to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 50052,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).", show_default=False)] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Keep received tensors here (large ones are then sent once).", show_default=False)] = None,
+):
+    """Serve this machine's CPU/GPUs to other machines' `--rpc` (llama.cpp's RPC server). Ctrl-C stops it."""
+    from .worker import serve
+
+    global INTERRUPT_REPORTED
+    try:
+        serve(host, port, threads, cache_dir)
+    except KeyboardInterrupt:
+        INTERRUPT_REPORTED = True
+        sys.stderr.write("\nworker stopped\n")
+        sys.stderr.flush()
+        os._exit(130)  # llama.cpp's server thread is blocked in accept(): no interpreter teardown under it
+
+
 # ----------------------------------------------------------------- entry point
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker"}
 
 
 def main(argv: list[str] | None = None) -> None:

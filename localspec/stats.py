@@ -26,6 +26,7 @@ class Stats:
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
     k_cap: int = 0  # largest k whose verify batch is bit-exact (see exactness.py)
     reason: str = ""  # why the controller chose what it did, e.g. "auto -> none: draft 0.91x"
+    rpc_workers: list[str] = field(default_factory=list)  # llama.cpp RPC workers holding target layers
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:
         self.target_passes += 1
