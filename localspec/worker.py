@@ -61,10 +61,7 @@ def serve(host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | 
     if not backend.rpc_available():
         raise rpc.RPCError("this llama-cpp-python build has no RPC backend; reinstall it with -DGGML_RPC=ON "
                            "(bash .ci/install-llama-cpp does)")
-    # llama.cpp's server prints its device list and connections with printf: stdout is for answers, so those
-    # lines go to stderr with everything else this command says
-    sys.stdout.flush()
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    _relay_stdout_to_stderr(say)
     failed: list[BaseException] = []
 
     def _run():
@@ -82,6 +79,22 @@ def serve(host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | 
     if failed:
         raise failed[0]
     raise rpc.RPCError(f"llama.cpp's RPC server on {endpoint} stopped (see its messages above)")
+
+
+def _relay_stdout_to_stderr(say) -> None:
+    """llama.cpp's server prints its device list and connections with printf. stdout is for answers, so they go
+    to stderr with everything else this command says, whole lines at a time (a pipe relayed by a thread)."""
+    sys.stdout.flush()
+    r, w = os.pipe()
+    os.dup2(w, sys.stdout.fileno())
+    os.close(w)
+
+    def relay():
+        with os.fdopen(r, "r", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                say(line.rstrip("\n"))
+
+    threading.Thread(target=relay, name="stdout-relay", daemon=True).start()
 
 
 def _wait_ready(t: threading.Thread, host: str, port: int, failed: list) -> None:
