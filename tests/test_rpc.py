@@ -34,8 +34,10 @@ class Worker:
         self.lines: list[str] = []
         self.out: list[str] = []
         self._ready = threading.Event()
-        threading.Thread(target=self._read, args=(self.proc.stderr, self.lines, True), daemon=True).start()
-        threading.Thread(target=self._read, args=(self.proc.stdout, self.out, False), daemon=True).start()
+        self._readers = [threading.Thread(target=self._read, args=(self.proc.stderr, self.lines, True), daemon=True),
+                         threading.Thread(target=self._read, args=(self.proc.stdout, self.out, False), daemon=True)]
+        for t in self._readers:
+            t.start()
         if not self._ready.wait(60) or not any(l.startswith("worker listening on") for l in self.lines):
             self.kill()
             raise RuntimeError("worker did not start: " + "".join(self.lines))
@@ -54,7 +56,10 @@ class Worker:
 
     def interrupt(self, timeout=15) -> int:
         self.proc.send_signal(signal.SIGINT)
-        return self.proc.wait(timeout)
+        rc = self.proc.wait(timeout)
+        for t in self._readers:  # everything it said, up to its end
+            t.join(timeout)
+        return rc
 
     def kill(self) -> None:
         if self.proc.poll() is None:
