@@ -6,7 +6,8 @@ Usage: python benchmarks/rpc_latency.py TARGET.gguf [DRAFT.gguf] [-n 64] [--rtt 
 
 Everything runs on this machine: the workers are `localspec worker` processes on 127.0.0.1 and compete for the
 same cores as the client (a verify pass cannot overlap with a worker's compute anyway: the layers run one
-device after another). RTT 0 connects to the workers directly, without the proxy. Tokens/s excludes the prompt.
+device after another), all with OMP_WAIT_POLICY=PASSIVE. RTT 0 connects to the workers directly, without the
+proxy. Tokens/s excludes the prompt; "same tokens" compares every output with the local plain run.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def main(argv=None) -> None:
     ap.add_argument("--prompts", type=int, default=2, help="how many built-in prompts (code_edit, extract, ...)")
     ap.add_argument("--threads", type=int, default=None, help="client and worker threads (default: all cores)")
     a = ap.parse_args(argv)
+    # client and workers share this machine's cores: spinning OpenMP threads would take each other's cores
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.path.insert(0, str(ROOT))
     from localspec.backend import default_threads
     from localspec.bench import load_prompts
