@@ -9,16 +9,25 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
+from . import rpc
 from .compat import VocabInfo
-from .errors import DecodeError, ModelLoadError
+from .errors import DecodeError, ModelLoadError, UsageError
 from .seq import common_prefix
+
+_DEBUG = os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")
+if not _DEBUG:
+    # ggml forks gdb for a backtrace on GGML_ABORT and on uncaught C++ exceptions (the latter decided when the
+    # library loads, so this must come before the import); users get one `error:` line instead (see on_abort)
+    os.environ.setdefault("GGML_NO_BACKTRACE", "1")
 
 try:  # imported lazily-safe: a broken install becomes a clear error at load time
     import llama_cpp as _ll
@@ -54,6 +63,8 @@ def _init_backend() -> None:
             _log_cb = _quiet
             ll.llama_log_set(_log_cb, ctypes.c_void_p(0))
         ll.llama_backend_init()
+        if not _DEBUG:
+            _install_abort_handler()
         _backend_ready = True
 
 
@@ -82,6 +93,222 @@ def supports_gpu_offload() -> bool:
     return bool(ll.llama_supports_gpu_offload())
 
 
+# ----------------------------------------------------------------- ggml: devices, RPC, aborts
+# llama-cpp-python binds libllama only; the backend registry (libggml), the RPC backend (built into libggml with
+# -DGGML_RPC=ON, reached through ggml_backend_reg_get_proc_address as llama.cpp's own tools do) and
+# ggml_set_abort_callback (libggml-base) come from the shared libraries next to it in llama_cpp/lib/.
+_ggml_libs: list | None = None
+_fn_cache: dict = {}
+_SIGS = {
+    "ggml_backend_reg_by_name": (ctypes.c_void_p, [ctypes.c_char_p]),
+    "ggml_backend_reg_get_proc_address": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_char_p]),
+    "ggml_backend_reg_dev_count": (ctypes.c_size_t, [ctypes.c_void_p]),
+    "ggml_backend_reg_dev_get": (ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t]),
+    "ggml_backend_dev_count": (ctypes.c_size_t, []),
+    "ggml_backend_dev_get": (ctypes.c_void_p, [ctypes.c_size_t]),
+    "ggml_backend_dev_type": (ctypes.c_int, [ctypes.c_void_p]),
+    "ggml_backend_dev_name": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_backend_dev_description": (ctypes.c_char_p, [ctypes.c_void_p]),
+    "ggml_set_abort_callback": (ctypes.c_void_p, [ctypes.c_void_p]),
+}
+DEV_CPU, DEV_GPU, DEV_IGPU, DEV_ACCEL = 0, 1, 2, 3
+_ADD_SERVER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_char_p)
+_START_SERVER = ctypes.CFUNCTYPE(None, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                                 ctypes.POINTER(ctypes.c_void_p))
+_ABORT_CB_T = ctypes.CFUNCTYPE(None, ctypes.c_char_p)
+
+
+def _ggml(name: str):
+    """A ggml C function from llama_cpp/lib (libggml-base or libggml), typed from _SIGS; None if absent."""
+    global _ggml_libs
+    if name in _fn_cache:
+        return _fn_cache[name]
+    _require()
+    if _ggml_libs is None:
+        _ggml_libs = []
+        for path in _loaded_ggml_paths():
+            try:
+                _ggml_libs.append(ctypes.CDLL(path))
+            except OSError:
+                pass
+    fn = None
+    for lib in _ggml_libs:
+        f = getattr(lib, name, None)
+        if f is not None:
+            fn = f
+            fn.restype, fn.argtypes = _SIGS[name]
+            break
+    _fn_cache[name] = fn
+    return fn
+
+
+def _loaded_ggml_paths() -> list[str]:
+    """The files of libggml-base and libggml that libllama itself loaded. A wheel cannot hold symlinks, so
+    llama_cpp/lib has libggml-base.so, .so.0 and .so.0.25.3 as three copies: opening another name than the one
+    libllama's DT_NEEDED resolved to would load a second ggml, with its own abort callback and backend registry."""
+    names = ("ggml-base", "ggml")
+    found: dict[str, str] = {}
+    images: list[str] = []
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/self/maps") as fh:
+                images = [line.split(None, 5)[5].strip() for line in fh if len(line.split(None, 5)) == 6]
+        except OSError:
+            images = []
+    elif sys.platform == "darwin":
+        try:
+            dyld = ctypes.CDLL(None)
+            dyld._dyld_get_image_name.restype = ctypes.c_char_p
+            images = [dyld._dyld_get_image_name(i).decode() for i in range(dyld._dyld_image_count())]
+        except (OSError, AttributeError):
+            images = []
+    for img in images:
+        base = os.path.basename(img)
+        stem = base[3:] if base.startswith("lib") else base
+        stem = stem.split(".", 1)[0]
+        # prefer the soname (libggml.so.0): a bare libggml.so may be a copy that llama_cpp._ggml loaded
+        if stem in names and (stem not in found or re.search(r"\.so\.\d+$", img)):
+            found[stem] = img
+    if sys.platform == "win32":  # LoadLibrary of a loaded module's base name returns that module
+        found = {n: f"{n}.dll" for n in names}
+    return [found[n] for n in names if n in found]
+
+
+def _rpc_proc(name: str):
+    """ggml_backend_rpc_add_server / _start_server through the RPC registry, or None without RPC."""
+    _init_backend()
+    by_name, proc = _ggml("ggml_backend_reg_by_name"), _ggml("ggml_backend_reg_get_proc_address")
+    if by_name is None or proc is None:
+        return None
+    reg = by_name(b"RPC")
+    return proc(reg, name.encode()) if reg else None
+
+
+def rpc_available() -> bool:
+    """This llama.cpp build has the RPC backend (-DGGML_RPC=ON)."""
+    try:
+        return bool(_rpc_proc("ggml_backend_rpc_add_server"))
+    except Exception:
+        return False
+
+
+def _need_rpc(name: str):
+    addr = _rpc_proc(name)
+    if not addr:
+        raise rpc.RPCError("this llama-cpp-python build has no RPC backend; reinstall it with -DGGML_RPC=ON "
+                           "(bash .ci/install-llama-cpp does)")
+    return addr
+
+
+def _local_devices(types: set[int]) -> list[int]:
+    count, get, typ = _ggml("ggml_backend_dev_count"), _ggml("ggml_backend_dev_get"), _ggml("ggml_backend_dev_type")
+    return [d for d in (get(i) for i in range(count())) if typ(d) in types]
+
+
+def rpc_start_server(endpoint: str, cache_dir: str | None, n_threads: int) -> None:
+    """llama.cpp's RPC server on endpoint (IPv4 HOST:PORT), serving this machine's GPUs, else its CPU.
+    Blocks for as long as it serves (the GIL is released); returns only when it cannot listen."""
+    start = _START_SERVER(_need_rpc("ggml_backend_rpc_start_server"))
+    devices = _local_devices({DEV_GPU}) or _local_devices({DEV_CPU})  # as llama.cpp's rpc-server chooses
+    if not devices:
+        raise ModelLoadError("llama.cpp found no device to serve")
+    arr = (ctypes.c_void_p * len(devices))(*devices)
+    global _log_cb
+    if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
+        ll = _ll
+
+        @ll.llama_log_callback
+        def _errors_only(level, text, user_data):  # noqa: ARG001 - a worker shows llama.cpp's errors
+            if level == 4 and text:  # GGML_LOG_LEVEL_ERROR
+                sys.stderr.write(text.decode("utf-8", "replace"))
+                sys.stderr.flush()
+
+        _log_cb = _errors_only
+        ll.llama_log_set(_log_cb, ctypes.c_void_p(0))
+    start(endpoint.encode(), cache_dir.encode() if cache_dir else None, int(n_threads), len(devices), arr)
+
+
+def _rpc_devices(servers: Sequence[str]) -> list[int]:
+    """Each worker's devices (llama.cpp connects here; `rpc.preflight` made sure it will not abort)."""
+    add = _ADD_SERVER(_need_rpc("ggml_backend_rpc_add_server"))
+    n_of, get = _ggml("ggml_backend_reg_dev_count"), _ggml("ggml_backend_reg_dev_get")
+    devs: list[int] = []
+    for ep in servers:
+        reg = add(ep.encode())
+        if not reg or n_of(reg) == 0:
+            raise rpc.RPCError(f"RPC worker {ep} offers no device")
+        devs += [get(reg, i) for i in range(n_of(reg))]
+    return devs
+
+
+# Hooks run when llama.cpp aborts the process (GGML_ABORT: a worker died mid-decode, a failed assertion). The
+# process dies right after them: they must be quick and must not raise (exceptions are ignored).
+_abort_hooks: list[Callable[[], None]] = []
+_rpc_in_use: list[str] = []  # endpoints of loaded models, for naming the worker that died
+_abort_cb = None
+
+
+def on_abort(callback: Callable[[], None]) -> Callable[[], None]:
+    """Run `callback` before the process dies of a llama.cpp abort (e.g. save the chat transcript).
+    Returns it, so it works as a decorator; remove it with `remove_abort_hook`."""
+    _abort_hooks.append(callback)
+    return callback
+
+
+def remove_abort_hook(callback: Callable[[], None]) -> None:
+    if callback in _abort_hooks:
+        _abort_hooks.remove(callback)
+
+
+def abort_message(message: str, endpoints: Sequence[str]) -> str:
+    """The one line a user sees for llama.cpp's abort `message`."""
+    msg = " ".join(message.split())
+    m = re.match(r"^\S+?:\d+: (.*)$", msg)  # ggml_abort prefixes "FILE:LINE: "
+    core = m.group(1) if m else msg
+    if endpoints and ("RPC" in msg or "connect" in msg or "handshake" in msg):
+        dead = rpc.refusing(endpoints)
+        who = ", ".join(dead or endpoints)
+        s = "" if len(dead or endpoints) == 1 else "s"
+        return (f"error: RPC worker{s} {who} stopped responding; the answer so far is kept; start the worker again "
+                f"(localspec worker) and rerun (llama.cpp: {core})")
+    return f"error: llama.cpp aborted: {core}"
+
+
+def _on_ggml_abort(message: bytes | None) -> None:
+    """ggml_abort calls this (from whichever thread aborted) before abort(): flush, run the hooks, say one line,
+    exit 1 (instead of a gdb backtrace, SIGABRT and a core dump)."""
+    try:
+        text = (message or b"").decode("utf-8", "replace")
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        for hook in list(_abort_hooks):
+            try:
+                hook()
+            except BaseException:
+                pass
+        try:
+            sys.stdout.flush()
+        except Exception:
+            pass
+        line = abort_message(text, list(_rpc_in_use))
+        lead = "\n" if sys.stdout.isatty() and sys.stderr.isatty() else ""
+        os.write(2, (lead + line + "\n").encode("utf-8", "replace"))
+    finally:
+        os._exit(1)
+
+
+def _install_abort_handler() -> None:
+    global _abort_cb
+    setter = _ggml("ggml_set_abort_callback")
+    if setter is None or _abort_cb is not None:
+        return
+    _abort_cb = _ABORT_CB_T(_on_ggml_abort)
+    setter(ctypes.cast(_abort_cb, ctypes.c_void_p))
+
+
 GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
@@ -98,26 +325,59 @@ class Model:
         n_gpu_layers: int = 0,
         n_threads: int | None = None,
         n_batch: int = 512,
+        rpc_servers: Sequence[str] | None = None,
+        tensor_split: Sequence[float] | None = None,
     ) -> None:
+        """rpc_servers: llama.cpp RPC workers ("HOST:PORT") that take this model's layers (all of them unless
+        n_gpu_layers says how many; the rest stay on the local CPU), in tensor_split proportions (one per
+        device: the workers' devices in order, then local GPUs; default: by free memory)."""
         ll = _require()
         _init_backend()
         self.path = Path(path)
+        self.rpc_servers = list(rpc_servers or [])
+        self._ctx = None
+        self._batch = None
+        self._model = None
         if not self.path.is_file():
             raise ModelLoadError(f"model file not found: {self.path}")
         with open(self.path, "rb") as fh:
             if fh.read(4) != b"GGUF":
                 raise ModelLoadError(f"not a GGUF file (bad magic): {self.path}")
         mparams = ll.llama_model_default_params()
+        keep = []  # ctypes arrays that must live until the load returns
+        local_gpus: list[int] = []
+        if self.rpc_servers:
+            rpc.preflight(self.rpc_servers)  # llama.cpp aborts the process on a worker it cannot use
+            local_gpus = _local_devices({DEV_GPU})
+            devices = _rpc_devices(self.rpc_servers) + local_gpus  # llama.cpp's order: RPC first
+            arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+            keep.append(arr)
+            mparams.devices = ctypes.cast(arr, ctypes.c_void_p).value
+            if n_gpu_layers == 0:
+                n_gpu_layers = -1  # all layers on the devices: that is what the workers are for
+            n_devices = len(devices)
+        else:
+            n_devices = int(ll.llama_max_devices())
+        if tensor_split:
+            if len(tensor_split) > n_devices:
+                raise UsageError(f"--tensor-split has {len(tensor_split)} values but the target has {n_devices} "
+                                 f"device{'s' if n_devices != 1 else ''} to split over")
+            ts = (ctypes.c_float * int(ll.llama_max_devices()))(*[float(x) for x in tensor_split])
+            keep.append(ts)
+            mparams.tensor_split = ctypes.cast(ts, ctypes.POINTER(ctypes.c_float))
+        self.tensor_split = list(tensor_split) if tensor_split else None
         mparams.n_gpu_layers = int(n_gpu_layers)
         self.n_gpu_layers = int(n_gpu_layers)
         if os.environ.get("LOCALSPEC_NO_REPACK"):
             # work-around for CPUs where the native build's AMX path crashes (see README)
             mparams.use_extra_bufts = False
+        if self.rpc_servers:
+            _rpc_in_use.extend(self.rpc_servers)
         self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        del keep
         if not self._model:
+            self._release_rpc()
             raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt, truncated or unsupported GGUF)")
-        self._ctx = None
-        self._batch = None
         try:
             self._vocab = ll.llama_model_get_vocab(self._model)
             self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
@@ -137,7 +397,10 @@ class Model:
             # BF16 KV on the CPU: llama.cpp's flash attention splits a single query's KV across threads once
             # the cache passes 512 cells (f16/f32 KV only), so a one-token decode and a batched verify would sum
             # in different orders (logits moved by ~0.5 on Qwen 1.5B). With BF16 KV both take the same path.
-            kv = os.environ.get("LOCALSPEC_KV_TYPE") or ("bf16" if self.n_gpu_layers == 0 else "f16")
+            # RPC workers without local GPUs: BF16 too (a worker's CPU backend computes as the local one does;
+            # GPU workers whose flash attention lacks BF16 need LOCALSPEC_KV_TYPE=f16).
+            on_cpu = self.n_gpu_layers == 0 or (self.rpc_servers and not local_gpus)
+            kv = os.environ.get("LOCALSPEC_KV_TYPE") or ("bf16" if on_cpu else "f16")
             if kv not in GGML_TYPES:
                 raise ModelLoadError(f"LOCALSPEC_KV_TYPE must be one of {', '.join(GGML_TYPES)}, got {kv!r}")
             self.kv_type = kv
@@ -340,6 +603,12 @@ class Model:
         if getattr(self, "_model", None):
             _ll.llama_model_free(self._model)
             self._model = None
+            self._release_rpc()
+
+    def _release_rpc(self) -> None:
+        for ep in getattr(self, "rpc_servers", ()):
+            if ep in _rpc_in_use:
+                _rpc_in_use.remove(ep)
 
     def __del__(self):  # pragma: no cover - best effort
         try:

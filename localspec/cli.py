@@ -131,6 +131,8 @@ CtxOpt = _opt("ctx_size", "-c", "--ctx-size", help="Context size in tokens; defa
 GpuOpt = _opt("gpu_layers", "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target layers offloaded to the GPU (-1 = all).")
 DraftGpuOpt = _opt("draft_gpu_layers", "--draft-gpu-layers", "-ngld", help="Draft layers offloaded to the GPU (-1 = all).")
 ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.")
+RpcOpt = _opt("rpc", "--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.")
+SplitOpt = _opt("tensor_split", "--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.")
 
 
 def flags(**kw) -> dict:
@@ -240,6 +242,7 @@ def summary_line(stats, finish: str) -> str:
         f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
         f"{stats.tokens_per_pass:.2f} tokens per target pass | mean accepted length {mal} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
+        + (f" | rpc workers: {', '.join(stats.rpc_workers)}" if stats.rpc_workers else "")
     )
 
 
@@ -283,6 +286,7 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") 
         "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
         "controller": stats.reason or None,
         "draft_dropped": engine.dropped_draft,
+        "rpc_workers": list(stats.rpc_workers) if stats is not None else [],
     }
 
 
@@ -331,6 +335,8 @@ def run(
     gpu_layers: GpuOpt = None,
     draft_gpu_layers: DraftGpuOpt = None,
     threads: ThreadsOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="Nothing on stderr but errors.")] = False,
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="The full breakdown at the end (timings, steps, k, controller).")] = False,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")] = False,
@@ -343,6 +349,7 @@ def run(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
+        rpc=rpc, tensor_split=tensor_split,
     ), quiet=quiet)
     piped = read_stdin()
     parts = [p for p in (piped, prompt) if p is not None and p.strip() != ""]
@@ -665,7 +672,7 @@ def models_add(
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache and models."""
     from . import download, registry
-    from .backend import default_threads, llama_cpp_version, supports_gpu_offload, system_info
+    from .backend import default_threads, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
     try:
@@ -673,6 +680,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
         info = system_info()
         report["system_info"] = info.strip()
         report["gpu_offload"] = supports_gpu_offload()
+        report["rpc"] = rpc_available()  # `localspec worker` and --rpc
     except Exception as exc:
         report["llama_cpp_python"] = f"not working: {exc}"
         info = ""
@@ -757,9 +765,11 @@ def bench(
     gpu_layers: GpuOpt = None,
     draft_gpu_layers: DraftGpuOpt = None,
     threads: ThreadsOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
-    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers)
+    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc, tensor_split)
     _bench(sess, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
@@ -783,12 +793,12 @@ def tune(
     _tune(sess, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
 
-def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers):
+def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc=None, tensor_split=None):
     from .session import Session
 
     # bench and tune compare methods themselves: the draft is loaded whatever the configured method is
     sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, gpu_layers=gpu_layers,
-                         draft_gpu_layers=draft_gpu_layers, method="auto"))
+                         draft_gpu_layers=draft_gpu_layers, method="auto", rpc=rpc, tensor_split=tensor_split))
     sess.check()
     return sess
 
@@ -812,6 +822,8 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         configs = B.parse_configs(methods, ks, has_draft=engine.draft is not None)
         if not configs:
             raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
+        if getattr(engine.target, "rpc_servers", None):
+            console.print(f"target layers on RPC workers: {', '.join(engine.target.rpc_servers)}")
         done: list = []
         calib = None
         total = len(ps) * repeat * len(configs) * 2
@@ -838,7 +850,8 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         B.print_report(rows, Console())
         meta = {"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None,
                 "max_tokens": max_tokens, "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
-                "configs": [c.label for c in configs], "prompts": len(ps)}
+                "configs": [c.label for c in configs], "prompts": len(ps),
+                "rpc_workers": list(getattr(engine.target, "rpc_servers", None) or [])}
         if json_out:
             B.write_json(json_out, rows, results, calib, meta)
         if csv_out:
@@ -889,8 +902,30 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
         sess.close()
 
 
+# ----------------------------------------------------------------- worker
+@app.command(epilog="Example: on the worker machine `localspec worker --host 0.0.0.0`, then on yours "
+                    "`localspec run --rpc WORKER_IP:50052 \"prompt\"`.")
+def worker(
+    host: Annotated[str, typer.Option("--host", help="IPv4 address to listen on; anything but loopback exposes it to the network.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = 50052,
+    threads: Annotated[Optional[int], typer.Option("--threads", help="CPU threads (default: all cores).", show_default=False)] = None,
+    cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Keep received tensors here (large ones are then sent once).", show_default=False)] = None,
+):
+    """Serve this machine's CPU/GPUs to other machines' `--rpc` (llama.cpp's RPC server). Ctrl-C stops it."""
+    from .worker import serve
+
+    global INTERRUPT_REPORTED
+    try:
+        serve(host, port, threads, cache_dir)
+    except KeyboardInterrupt:
+        INTERRUPT_REPORTED = True
+        sys.stderr.write("\nworker stopped\n")
+        sys.stderr.flush()
+        os._exit(130)  # llama.cpp's server thread is blocked in accept(): no interpreter teardown under it
+
+
 # ----------------------------------------------------------------- entry point
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker"}
 
 
 INTERRUPT_EXIT = 130  # 128 + the signal that stopped us (SIGINT 130, SIGHUP 129, SIGTERM 143)

@@ -37,6 +37,8 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "gpu_layers": (int, 0, "target layers offloaded to the GPU (-1 = all)"),
     "draft_gpu_layers": (int, 0, "draft layers offloaded to the GPU (-1 = all)"),
     "threads": (int, None, "CPU threads (default: all cores)"),
+    "rpc": (str, None, "llama.cpp RPC workers HOST:PORT[,HOST:PORT...] that hold the target's layers (draft stays local)"),
+    "tensor_split": (str, None, "share of the target's layers per device with rpc, e.g. 3,1 (default: by free memory)"),
     "system": (str, None, "system prompt"),
 }
 

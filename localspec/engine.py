@@ -151,12 +151,19 @@ class Engine:
         draft_gpu_layers: int = 0,
         threads: int | None = None,
         drop_incompatible_draft: bool = False,
+        rpc: str | Sequence[str] | None = None,
+        tensor_split: str | Sequence[float] | None = None,
     ) -> "Engine":
         """Load target (and draft). drop_incompatible_draft: keep going without a draft that fails the
-        pair check (the reason is in .dropped_draft) instead of raising."""
+        pair check (the reason is in .dropped_draft) instead of raising. rpc: llama.cpp RPC workers
+        ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
+        from . import rpc as rpc_mod
         from .backend import Model
 
-        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads)
+        workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects
+        split = rpc_mod.parse_tensor_split(tensor_split)
+        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads,
+                       rpc_servers=workers or None, tensor_split=split)
         draft = None
         try:
             if draft_path is not None:
@@ -265,6 +272,7 @@ class Engine:
         rng = np.random.default_rng(sp.seed)
         policy, method, k_cap = self.make_policy(cfg)
         stats = self.last_stats = Stats(method=method, k_cap=k_cap)
+        stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
         if method != "none" and stats.k_cap < cfg.k:
             stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
         prompt = [int(t) for t in prompt_tokens]

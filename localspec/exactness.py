@@ -21,9 +21,12 @@ def _key(model, upto: int) -> str:
     st = model.path.stat()
     from .backend import llama_cpp_version
 
-    return "|".join(str(x) for x in (model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
-                                     llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
-                                     model.n_ctx >= LONG_CONTEXT + upto + 8, upto))
+    parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
+             llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
+             model.n_ctx >= LONG_CONTEXT + upto + 8, upto]
+    if getattr(model, "rpc_servers", None):  # the workers compute the layers: their kernels decide
+        parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]
+    return "|".join(str(x) for x in parts)
 
 
 LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy

@@ -164,8 +164,12 @@ class Session:
         self.overrides = trial
 
     def check(self) -> None:
-        """Fail on bad values before loading gigabytes."""
-        validate(self.values())
+        """Fail on bad values (and unreachable RPC workers) before loading gigabytes."""
+        from . import rpc
+
+        v = self.values()
+        validate(v)
+        rpc.check_settings(v.get("rpc"), v.get("tensor_split"))
 
     def gen_config(self, stop=None, **changes):
         v = {**self.values(), **changes}
@@ -215,6 +219,7 @@ class Session:
         engine = Engine.load(
             target, draft, n_ctx=v["ctx_size"], gpu_layers=v["gpu_layers"], draft_gpu_layers=v["draft_gpu_layers"],
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
+            rpc=v.get("rpc"), tensor_split=v.get("tensor_split"),
         )
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft

@@ -35,6 +35,7 @@ class Stats:
 
     MIN_RATE_TOKENS = 2  # a rate over fewer tokens, or a shorter time, is noise: shown as "—"
     MIN_RATE_S = 0.05
+    rpc_workers: list[str] = field(default_factory=list)  # llama.cpp RPC workers holding target layers
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:
         self.target_passes += 1

@@ -1,0 +1,379 @@
+"""The target on llama.cpp RPC workers (`localspec worker`), the draft local; failures are one clear line."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from localspec import rpc
+from localspec.errors import UsageError
+
+SECURITY = "the RPC protocol has no authentication and no encryption"
+
+
+# ------------------------------------------------------------------ helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """A `localspec worker` subprocess; its stderr is collected in .lines."""
+
+    def __init__(self, *args, port=None):
+        self.port = port or free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "localspec", "worker", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.out: list[str] = []
+        self._ready = threading.Event()
+        self._readers = [threading.Thread(target=self._read, args=(self.proc.stderr, self.lines, True), daemon=True),
+                         threading.Thread(target=self._read, args=(self.proc.stdout, self.out, False), daemon=True)]
+        for t in self._readers:
+            t.start()
+        if not self._ready.wait(60) or not any(l.startswith("worker listening on") for l in self.lines):
+            self.kill()
+            raise RuntimeError("worker did not start: " + "".join(self.lines))
+
+    def _read(self, stream, into, signals):
+        for line in stream:
+            into.append(line)
+            if signals and line.startswith("worker listening on"):
+                self._ready.set()
+        if signals:
+            self._ready.set()  # it ended: let the constructor report it
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def interrupt(self, timeout=15) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        rc = self.proc.wait(timeout)
+        for t in self._readers:  # everything it said, up to its end
+            t.join(timeout)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def workers():
+    ws = [Worker("--threads", "1"), Worker("--threads", "1")]
+    yield ws
+    for w in ws:
+        if w.proc.poll() is None:
+            assert w.interrupt() == 130, "".join(w.lines)
+            assert "worker stopped" in "".join(w.lines)
+
+
+@pytest.fixture(autouse=True)
+def isolated_config(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for k in list(os.environ):
+        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CONFIG_DIR", "LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
+            monkeypatch.delenv(k)
+
+
+def cli(args, env=None, timeout=120):
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, timeout=timeout, env=e)
+
+
+def one_error_line(r, code) -> str:
+    err = r.stderr.decode()
+    assert r.returncode == code, (r.returncode, err)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "gdb" not in err
+    return lines[0]
+
+
+class FakeServer:
+    """Accepts connections on 127.0.0.1 and answers each with `reply` bytes, then closes."""
+
+    def __init__(self, reply: bytes):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(4)
+        self.reply = reply
+        self.endpoint = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            with c:
+                c.settimeout(2)
+                try:
+                    c.recv(64)
+                    if self.reply:
+                        c.sendall(self.reply)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.sock.close()
+
+
+def local_plain(path, prompts, n):
+    from localspec.engine import Engine, GenConfig
+
+    e = Engine.load(path, n_ctx=1024)
+    try:
+        return [e.complete(e.raw_prompt(p), GenConfig(method="none", max_tokens=n)).tokens for p in prompts]
+    finally:
+        e.close()
+
+
+# ------------------------------------------------------------------ parsing
+def test_parse_servers():
+    assert rpc.parse_servers("127.0.0.1:50052, 10.0.0.2:1") == ["127.0.0.1:50052", "10.0.0.2:1"]
+    assert rpc.parse_servers("") == [] and rpc.parse_servers(None) == []
+    for bad in ("nohost", "h:", ":5", "h:x", "h:0", "h:70000", "::1:5", "a:1,a:1", "a:1,,b:2"):
+        with pytest.raises(UsageError):
+            rpc.parse_servers(bad)
+
+
+def test_parse_tensor_split():
+    assert rpc.parse_tensor_split("3,1") == [3.0, 1.0] and rpc.parse_tensor_split("1/2") == [1.0, 2.0]
+    assert rpc.parse_tensor_split(None) is None
+    for bad in ("x", "0,0", "-1,2", "nan", "inf,1"):
+        with pytest.raises(UsageError):
+            rpc.parse_tensor_split(bad)
+
+
+def test_bad_rpc_flags_are_usage_errors(target_path):
+    assert "bad worker address" in one_error_line(cli(["run", "-m", str(target_path), "--rpc", "nope", "hi"]), 2)
+    one_error_line(cli(["run", "-m", str(target_path), "--rpc", "127.0.0.1:1", "--tensor-split", "x", "hi"]), 2)
+
+
+# ------------------------------------------------------------------ the worker
+def test_worker_answers_hello_with_this_builds_version(workers):
+    for w in workers:
+        assert rpc.hello(w.endpoint) == (rpc.RPC_PROTO_MAJOR, rpc.RPC_PROTO_MINOR, rpc.RPC_PROTO_PATCH)
+        assert not w.out or not "".join(w.out).strip()  # llama.cpp's printf lines go to stderr, not stdout
+        assert SECURITY not in "".join(w.lines)  # loopback: no warning
+
+
+def _non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback (the route towards a public address; nothing is sent)."""
+    for probe in ("192.0.2.1", "10.255.255.255", "8.8.8.8"):
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                addr = s.getsockname()[0]
+        except OSError:
+            continue
+        if addr and not addr.startswith("127.") and addr != "0.0.0.0":
+            return addr
+    try:
+        for info in socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET):
+            if not info[4][0].startswith("127."):
+                return info[4][0]
+    except OSError:
+        pass
+    return None
+
+
+def test_worker_binds_loopback_by_default(workers):
+    w = workers[0]
+    socket.create_connection(("127.0.0.1", w.port), timeout=5).close()
+    addr = _non_loopback_address()
+    if addr is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try")
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((addr, w.port), timeout=5).close()
+
+
+def test_non_loopback_host_warns_and_ctrl_c_exits_130():
+    w = Worker("--host", "0.0.0.0", "--threads", "1")
+    try:
+        log = "".join(w.lines)
+        assert "worker listening on 0.0.0.0:" in log
+        assert SECURITY in log and "trusted network" in log
+    finally:
+        rc = w.interrupt()
+    assert rc == 130 and "worker stopped" in "".join(w.lines)
+    assert "Traceback" not in "".join(w.lines)
+
+
+def test_worker_port_in_use_is_one_error_line(workers):
+    r = cli(["worker", "--port", str(workers[0].port)], timeout=60)
+    assert "in use" in one_error_line(r, 1)
+
+
+def test_worker_bad_host_is_usage_error():
+    one_error_line(cli(["worker", "--host", "not-an-ip"], timeout=60), 2)
+
+
+# ------------------------------------------------------------------ the target on the workers
+PROMPTS = ["Hello world, the x = y + 1", "def f(x): return x"]
+
+
+def test_split_target_same_tokens_as_local_plain(workers, target_path, draft_path):
+    from localspec.engine import Engine, GenConfig
+
+    n = 48
+    want = local_plain(target_path, PROMPTS, n)
+    eps = [w.endpoint for w in workers]
+    e = Engine.load(target_path, draft_path, n_ctx=1024, rpc=",".join(eps))
+    try:
+        assert e.target.rpc_servers == eps and e.draft.rpc_servers == []  # the draft stays local
+        for cfg in (GenConfig(method="none", max_tokens=n), GenConfig(method="draft", k=3, max_tokens=n, p_min=0.0),
+                    GenConfig(method="lookup", k=3, max_tokens=n), GenConfig(method="auto", k=4, max_tokens=n)):
+            drafted = 0
+            for p, w in zip(PROMPTS, want):
+                fin = e.complete(e.raw_prompt(p), cfg)
+                assert fin.tokens == w, (cfg.method, p)
+                assert fin.stats.rpc_workers == eps
+                drafted += fin.stats.drafted
+            assert drafted > 0 or cfg.method != "draft"  # it did speculate
+    finally:
+        e.close()
+
+
+def test_cli_rpc_places_layers_on_both_workers_and_reports_them(workers, target_path):
+    eps = [w.endpoint for w in workers]
+    local = cli(["run", "-m", str(target_path), "--method", "none", "-n", "24", "--json", "--raw", "the cat"])
+    assert local.returncode == 0, local.stderr
+    r = cli(["run", "-m", str(target_path), "--rpc", ",".join(eps), "--tensor-split", "1,1", "-n", "24", "--json",
+             "--raw", "the cat"], env={"LOCALSPEC_LLAMA_LOG": "1"})
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    d = json.loads(r.stdout)
+    assert d["rpc_workers"] == eps and d["text"] == json.loads(local.stdout)["text"]
+    assert json.loads(local.stdout)["rpc_workers"] == []
+    log = r.stderr.decode()
+    for ep in eps:  # llama.cpp's own account of where the weights went
+        assert any(ep in line and "model buffer size" in line for line in log.splitlines()), (ep, log[-3000:])
+
+
+def test_rpc_from_env_and_summary_line(workers, target_path):
+    ep = workers[1].endpoint
+    r = cli(["run", "-m", str(target_path), "-n", "8", "--raw", "the cat"], env={"LOCALSPEC_RPC": ep})
+    assert r.returncode == 0, r.stderr
+    assert f"rpc workers: {ep}" in r.stderr.decode()
+
+
+def test_tensor_split_longer_than_devices_is_usage_error(workers, target_path):
+    r = cli(["run", "-m", str(target_path), "--rpc", workers[0].endpoint, "--tensor-split", "1,1,1", "hi"])
+    assert "tensor-split" in one_error_line(r, 2)
+
+
+def test_bench_takes_rpc(workers, target_path):
+    r = cli(["bench", "-m", str(target_path), "--rpc", workers[0].endpoint, "--methods", "none,lookup", "--k", "2",
+             "-n", "8", "--categories", "code", "--limit", "1"])
+    assert r.returncode == 0, r.stderr.decode()[-2000:]
+    assert f"target layers on RPC workers: {workers[0].endpoint}" in r.stderr.decode()
+
+
+# ------------------------------------------------------------------ failures are one line, never an abort
+def test_unreachable_worker_is_one_error_line(target_path):
+    port = free_port()  # nothing listens there
+    for cmd in (["run", "-m", str(target_path), "--raw", "hi"], ["bench", "-m", str(target_path), "-n", "4"]):
+        r = cli([*cmd, "--rpc", f"127.0.0.1:{port}"])
+        line = one_error_line(r, 1)
+        assert f"127.0.0.1:{port}" in line and "refused" in line
+
+
+@pytest.mark.parametrize("reply, why", [
+    (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "not a compatible llama.cpp RPC worker"),
+    (b"", "closed the connection"),
+    ((28).to_bytes(8, "little") + bytes([6, 0, 0, 0]) + bytes(24), "speaks protocol 6.0.0"),
+    ((28).to_bytes(8, "little") + bytes([7, 1, 0, 0]) + bytes(24), "speaks protocol 7.1.0"),
+])
+def test_not_an_rpc_worker_is_one_error_line(target_path, reply, why):
+    fake = FakeServer(reply)
+    try:
+        r = cli(["run", "-m", str(target_path), "--rpc", fake.endpoint, "--raw", "hi"])
+    finally:
+        fake.close()
+    line = one_error_line(r, 1)
+    assert why in line and fake.endpoint in line
+
+
+def test_abort_message():
+    from localspec.backend import abort_message
+
+    port = free_port()
+    line = abort_message("/src/ggml-rpc.cpp:569: Remote RPC server crashed or returned malformed response",
+                         [f"127.0.0.1:{port}"])
+    assert line.startswith(f"error: RPC worker 127.0.0.1:{port} stopped responding;")
+    assert "ggml-rpc.cpp" not in line and "\n" not in line
+    assert abort_message("/src/ggml.c:12: GGML_ASSERT(x) failed", []) == "error: llama.cpp aborted: GGML_ASSERT(x) failed"
+
+
+def test_worker_death_mid_generation_is_one_line_and_keeps_the_answer(target_path):
+    """What the user saw before: llama.cpp's GGML_ABORT, a gdb backtrace (on stdout and stderr) and SIGABRT."""
+    local = cli(["run", "-m", str(target_path), "--method", "none", "-n", "200", "--raw", "the cat"])
+    assert local.returncode == 0
+    w = Worker("--threads", "1")
+    try:
+        r = subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(target_path), "--rpc", w.endpoint,
+                              "-c", "4096", "-n", "4000", "--method", "none", "--raw", "the cat"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        first = r.stdout.read(8)
+        w.kill()
+        out, err = r.communicate(timeout=60)
+    finally:
+        w.kill()
+    answer = first + out
+    err = err.decode()
+    assert r.returncode == 1, (r.returncode, err[-3000:])
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert lines[-1].startswith(f"error: RPC worker {w.endpoint} stopped responding;"), err[-3000:]
+    assert len([l for l in lines if l.startswith("error:")]) == 1 and "gdb" not in err and "Traceback" not in err
+    assert b"ggml-rpc.cpp" not in answer and b"#0" not in answer  # nothing but the answer on stdout
+    full = local.stdout
+    k = min(len(answer), len(full) - 1)
+    assert len(answer) >= 8 and answer[:k] == full[:k]  # the streamed part is there and is the answer's start
+
+
+def test_abort_hooks_run_before_the_process_dies(tmp_path, target_path):
+    w = Worker("--threads", "1")
+    flag = tmp_path / "saved"
+    script = f"""
+import sys
+from localspec import backend
+from localspec.engine import Engine, GenConfig
+backend.on_abort(lambda: open({str(flag)!r}, "w").write("saved"))
+e = Engine.load({str(target_path)!r}, n_ctx=4096, rpc={w.endpoint!r})
+for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="none", max_tokens=4000))):
+    if i == 3:
+        print("kill", flush=True)
+        sys.stdin.readline()
+"""
+    try:
+        p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+        assert p.stdout.readline() == b"kill\n"
+        w.kill()
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+    finally:
+        w.kill()
+    assert p.returncode == 1, err.decode()[-2000:]
+    assert flag.read_text() == "saved"
+    assert err.decode().strip().startswith(f"error: RPC worker {w.endpoint} stopped responding")
+
+
+def test_doctor_reports_rpc():
+    r = cli(["doctor", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["rpc"] is True
