@@ -231,6 +231,8 @@ def short_summary(stats, finish: str) -> str:
         parts.append("no drafts")
     if finish not in ("stop", "length"):
         parts.append(finish)
+    if stats.rpc_workers:
+        parts.append(f"rpc workers: {', '.join(stats.rpc_workers)}")
     return " · ".join(parts)
 
 
