@@ -187,8 +187,8 @@ def _margin_at(engine: Engine, prompt: list[int], prefix: list[int]) -> float:
     return float(top2[1] - top2[0])
 
 
-def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed) -> tuple:
-    gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens,
+def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed, exactness="auto") -> tuple:
+    gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens, exactness=exactness,
                    sampling=SamplingParams(temperature=temperature, seed=seed),
                    **({"p_min": cfg.p_min} if cfg.p_min is not None else {}))
     fin = engine.complete(tokens, gc)
@@ -203,6 +203,7 @@ def run_bench(
     max_tokens: int = 128,
     repeat: int = 1,
     temperature: float = 0.0,
+    exactness: str = "auto",
     on_run: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     results: list[RunResult] = []
@@ -235,7 +236,7 @@ def run_bench(
             for cfg in configs:
                 btoks, bst = _one(engine, tokens, BASELINE, max_tokens, temperature, seed)
                 base = record(p, BASELINE, r, btoks, bst)
-                toks, st = _one(engine, tokens, cfg, max_tokens, temperature, seed)
+                toks, st = _one(engine, tokens, cfg, max_tokens, temperature, seed, exactness)
                 rr = record(p, cfg, r, toks, st, base)
                 if rr.exact is False:
                     pos = next((i for i, (a, b) in enumerate(zip(toks, btoks)) if a != b), min(len(toks), len(btoks)))
@@ -392,6 +393,8 @@ def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         _check_out(p)
     if repeat < 1 or max_tokens < 1:
         raise UsageError("--repeat and --max-tokens must be >= 1")
+    exactness = s.get("exactness") or "auto"
+    GenConfig(exactness=exactness)  # a bad level fails before loading gigabytes
     ps = load_prompts(prompts, categories.split(",") if categories else None, limit)
     console = Console(stderr=True)
     engine, pair, target, draft = load_engine(s, quiet=False, announce=console.print)
@@ -404,7 +407,7 @@ def cli_bench(s, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         with Progress(console=console, transient=True) as prog:
             task = prog.add_task("benchmarking", total=total)
             results = run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
-                                on_run=lambda r: prog.advance(task))
+                                exactness=exactness, on_run=lambda r: prog.advance(task))
         rows = summarize(results, calib)
         print_report(rows, Console())
         meta = {"target": target.name, "draft": draft.name if draft else None, "max_tokens": max_tokens,

@@ -67,6 +67,7 @@ def _root(
 ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Pair name or target GGUF path.", show_default=False)]
 DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft GGUF path, or a pair name (its draft).", show_default=False)]
 MethodOpt = Annotated[Optional[str], typer.Option("--method", help="auto | draft | lookup | none.", show_default=False)]
+ExactnessOpt = Annotated[Optional[str], typer.Option("--exactness", help="auto | bit | lossless (see README: Exactness).", show_default=False)]
 KOpt = Annotated[Optional[int], typer.Option("-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use).", show_default=False)]
 TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0 = greedy (default).", show_default=False)]
 SystemOpt = Annotated[Optional[str], typer.Option("-s", "--system", help="System prompt.", show_default=False)]
@@ -136,6 +137,7 @@ def build_gen_config(s: dict, pair, stop: list[str] | None, target_path: Path):
         p_min=p_min,
         lookup_min=s["lookup_min"],
         lookup_max=s["lookup_max"],
+        exactness=s["exactness"],
     )
 
 
@@ -208,6 +210,7 @@ def summary_line(stats, finish: str) -> str:
         f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
         f"mean accepted length {stats.mean_accepted_length:.2f} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
+        + f" | {stats.exactness_reason or stats.exactness}"
     )
 
 
@@ -242,6 +245,8 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False) -> dict:
         "steps_by_method": dict(stats.method_used),
         "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
         "controller": stats.reason or None,
+        "exactness": stats.exactness,
+        "exactness_reason": stats.exactness_reason,
         "draft_dropped": engine.dropped_draft,
     }
 
@@ -275,6 +280,7 @@ def run(
     draft: DraftOpt = None,
     method: MethodOpt = None,
     draft_tokens: KOpt = None,
+    exactness: ExactnessOpt = None,
     p_min: Annotated[Optional[float], typer.Option("--p-min", help="Draft model stops below this top probability.", show_default=False)] = None,
     lookup_min: Annotated[Optional[int], typer.Option("--lookup-min", help="Shortest n-gram for prompt lookup.", show_default=False)] = None,
     lookup_max: Annotated[Optional[int], typer.Option("--lookup-max", help="Longest n-gram for prompt lookup.", show_default=False)] = None,
@@ -297,7 +303,7 @@ def run(
 ):
     """Answer one prompt (stdin is joined to it), streaming to stdout."""
     s = settings(
-        model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
+        model=model, draft=draft, method=method, draft_tokens=draft_tokens, exactness=exactness, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
     )
@@ -655,6 +661,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens")] = 128,
     repeat: Annotated[int, typer.Option("--repeat")] = 1,
     temperature: Annotated[float, typer.Option("-t", "--temperature")] = 0.0,
+    exactness: ExactnessOpt = None,
     categories: Annotated[Optional[str], typer.Option("--categories", help="Only these categories (comma-separated).", show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most N prompts per category.", show_default=False)] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report as JSON.", show_default=False)] = None,
@@ -666,7 +673,7 @@ def bench(
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
     from . import bench as B
 
-    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto")
+    s = settings(model=model, draft=draft, ctx_size=ctx_size, threads=threads, method="auto", exactness=exactness)
     B.cli_bench(s, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 

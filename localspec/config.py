@@ -22,6 +22,8 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "model": (str, "qwen2.5-coder-1.5b", "pair name or target GGUF path"),
     "draft": (str, None, "draft GGUF path or pair name"),
     "method": (str, "auto", "auto | draft | lookup | none"),
+    "exactness": (str, "auto", "bit (output identical to one-token decoding; k capped) | lossless (k uncapped; only "
+                               "float reduction order differs) | auto (bit when the cap leaves >= 2 draft tokens)"),
     "draft_tokens": (int, None, "k: draft tokens per step (default: the pair's k, else 4; auto: the most it may use)"),
     "p_min": (float, 0.75, "draft model stops drafting when its top probability falls below this"),
     "lookup_min": (int, 2, "shortest n-gram prompt lookup matches"),

@@ -67,8 +67,8 @@ def _probe_at(model, upto: int, prefix: int) -> int:
 
 
 def max_exact_batch(model, upto: int) -> int:
-    if os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0"):
-        return upto
+    """The probe's answer, cached per model file, build, threads, GPU layers and KV type. (LOCALSPEC_ALLOW_INEXACT
+    is handled by the engine: it selects lossless exactness.)"""
     key = _key(model, upto)
     db = read_json("exact_batch.json")
     if key in db:

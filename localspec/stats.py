@@ -24,7 +24,9 @@ class Stats:
     elapsed_s: float = 0.0
     k_used: Counter = field(default_factory=Counter)  # k chosen per step (adaptive controller)
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
-    k_cap: int = 0  # largest k whose verify batch is bit-exact (see exactness.py)
+    k_cap: int = 0  # the k in effect: under bit exactness, the largest whose verify batch is bit-exact (exactness.py)
+    exactness: str = "bit"  # the level in use: bit | lossless (see GenConfig.exactness)
+    exactness_reason: str = ""  # why, in plain words
     reason: str = ""  # why the controller chose what it did, e.g. "auto -> none: draft 0.91x"
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:
