@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import platformdirs
@@ -21,10 +22,22 @@ def read_json(name: str) -> dict:
 
 
 def write_json(name: str, data: dict) -> None:
-    """Best effort: a read-only cache dir only costs a recomputation next time."""
+    """Atomic (a temp file, then os.replace: a reader never sees half a file, and two writers never interleave).
+    Best effort: a read-only cache dir only costs a recomputation next time."""
     path = cache_dir() / name
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(data))
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as fh:
+            fh.write(json.dumps(data))
+        os.replace(tmp, path)
+        tmp = None
     except OSError:
         pass
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass

@@ -315,3 +315,49 @@ def test_exactness_is_validated():
     with pytest.raises(UsageError, match="exactness"):
         GenConfig(exactness="exact")
     assert GenConfig().exactness == "auto"
+
+
+def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_path):
+    """The probe measures, per batch size, the largest |Δlogit| between batched rows and one-token decodes (0 up
+    to the exact batch), caches it with the exact batch, and re-measures an entry from before deviations."""
+    import json
+
+    import localspec.exactness as ex
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    with Model(target_path, n_ctx=1024) as m:
+        got = ex.measure(m, 6)
+        best, dev = got["batch"], got["deviation"]
+        assert 1 <= best <= 6 and set(dev) == {2, 3, 4, 5, 6}
+        assert all(dev[b] == 0.0 for b in range(2, best + 1))
+        if best < 6:
+            assert dev[best + 1] > 0.0
+        assert all(0.0 <= v < 1.0 for v in dev.values())
+        calls = []
+        real = ex.measure
+        monkeypatch.setattr(ex, "measure", lambda model, upto: calls.append(upto) or real(model, upto))
+        assert ex.deviation(m, 6) == dev and ex.max_exact_batch(m, 6) == best and calls == [6]  # measured once
+        db = json.loads((tmp_path / ex.CACHE_FILE).read_text())
+        (key, entry), = db.items()
+        assert entry["batch"] == best and entry["model"] == str(target_path.resolve()) and entry["long_prefix"] is True
+        assert [p["deviation"] for p in ex.cached_probes()] == [dev]
+        (tmp_path / ex.CACHE_FILE).write_text(json.dumps({key: best}))  # what localspec stored before deviations
+        assert ex.deviation(m, 6) == dev and calls == [6, 6]
+        assert not [p for p in tmp_path.iterdir() if p.name != ex.CACHE_FILE]  # no temp files left behind
+
+
+def test_cache_writes_are_atomic(monkeypatch, tmp_path):
+    """A failed write leaves the previous file whole (a temp file, then os.replace) and no temp file behind."""
+    from localspec import cachefile
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    cachefile.write_json("x.json", {"a": 1})
+    assert cachefile.read_json("x.json") == {"a": 1}
+
+    def broken(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cachefile.os, "replace", broken)
+    cachefile.write_json("x.json", {"a": 2, "b": "x" * 10000})
+    assert cachefile.read_json("x.json") == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
