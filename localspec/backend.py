@@ -144,6 +144,13 @@ def devices() -> list[dict]:
     return out
 
 
+def resolve_gpu_layers(n: int | None) -> int:
+    """A layer count to offload: as given, or by default all layers (-1) when there is a GPU device, else 0."""
+    if n is not None:
+        return int(n)
+    return -1 if supports_gpu_offload() else 0
+
+
 GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}

@@ -35,8 +35,8 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "min_p": (float, 0.0, "0 = off"),
     "seed": (int, None, "sampling seed (default: random)"),
     "ctx_size": (int, 4096, "context size in tokens"),
-    "gpu_layers": (int, 0, "target layers offloaded to the GPU (-1 = all)"),
-    "draft_gpu_layers": (int, 0, "draft layers offloaded to the GPU (-1 = all)"),
+    "gpu_layers": (int, None, "target layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0)"),
+    "draft_gpu_layers": (int, None, "draft layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0)"),
     "threads": (int, None, "CPU threads (default: all cores)"),
     "system": (str, None, "system prompt"),
 }

@@ -156,20 +156,22 @@ class Engine:
         draft_path=None,
         *,
         n_ctx: int = 4096,
-        gpu_layers: int = 0,
-        draft_gpu_layers: int = 0,
+        gpu_layers: int | None = None,
+        draft_gpu_layers: int | None = None,
         threads: int | None = None,
         drop_incompatible_draft: bool = False,
     ) -> "Engine":
-        """Load target (and draft). drop_incompatible_draft: keep going without a draft that fails the
-        pair check (the reason is in .dropped_draft) instead of raising."""
-        from .backend import Model
+        """Load target (and draft). gpu_layers None: all layers on the GPU when llama.cpp has a GPU device, else
+        none. drop_incompatible_draft: keep going without a draft that fails the pair check (the reason is in
+        .dropped_draft) instead of raising."""
+        from .backend import Model, resolve_gpu_layers
 
-        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads)
+        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=resolve_gpu_layers(gpu_layers), n_threads=threads)
         draft = None
         try:
             if draft_path is not None:
-                draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=draft_gpu_layers, n_threads=threads)
+                draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
+                              n_threads=threads)
             try:
                 return cls(target, draft)
             except IncompatibleDraftError as exc:

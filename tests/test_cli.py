@@ -157,6 +157,8 @@ def test_config_precedence(target_path, tmp_path):
     assert shown["settings"]["max_tokens"] == {"value": 4, "source": "env LOCALSPEC_MAX_TOKENS"}
     assert shown["settings"]["temperature"]["source"].startswith("file ")
     assert shown["settings"]["method"]["source"] == "default"
+    assert shown["settings"]["exactness"] == {"value": "auto", "source": "default"}
+    assert shown["settings"]["gpu_layers"] == {"value": None, "source": "default"}  # resolved at load time
     bad = cli(base, env={"LOCALSPEC_MAX_TOKENS": "many"})
     assert "LOCALSPEC_MAX_TOKENS" in one_error_line(bad, 2)
 

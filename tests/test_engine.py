@@ -361,3 +361,22 @@ def test_cache_writes_are_atomic(monkeypatch, tmp_path):
     cachefile.write_json("x.json", {"a": 2, "b": "x" * 10000})
     assert cachefile.read_json("x.json") == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_gpu_layers_default_to_all_when_there_is_a_gpu(target_path, monkeypatch):
+    """Unset gpu layers resolve at load time: all (-1) when llama.cpp has a GPU device, else 0; a given count wins."""
+    import localspec.backend as be
+
+    assert be.supports_gpu_offload() == any(d["type"] in ("gpu", "igpu") for d in be.devices())
+    for has_gpu, want in ((False, 0), (True, -1)):
+        monkeypatch.setattr(be, "supports_gpu_offload", lambda: has_gpu)
+        e = Engine.load(target_path, target_path, n_ctx=256)
+        try:
+            assert e.target.n_gpu_layers == want and e.draft.n_gpu_layers == want
+        finally:
+            e.close()
+    e = Engine.load(target_path, target_path, n_ctx=256, gpu_layers=0, draft_gpu_layers=3)
+    try:
+        assert e.target.n_gpu_layers == 0 and e.draft.n_gpu_layers == 3
+    finally:
+        e.close()
