@@ -88,9 +88,78 @@ def system_info() -> str:
 
 
 def supports_gpu_offload() -> bool:
+    """True when llama.cpp has a GPU (or integrated GPU) device to offload layers to. (llama_supports_gpu_offload
+    also answers True for any build with the RPC backend, which every localspec build has, GPU or not.)"""
+    return any(d["type"] in ("gpu", "igpu") for d in devices())
+
+
+# ggml's backend registry and devices. llama-cpp-python does not bind these; libllama's handle resolves them from
+# the ggml libraries it links (prototypes from ggml-backend.h).
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+_ggml_ready = False
+
+
+def _ggml():
+    global _ggml_ready
     ll = _require()
     _init_backend()
-    return bool(ll.llama_supports_gpu_offload())
+    lib = ll.llama_cpp._lib
+    if not _ggml_ready:
+        c = ctypes
+        for name, res, args in (
+            ("ggml_backend_reg_count", c.c_size_t, []),
+            ("ggml_backend_reg_get", c.c_void_p, [c.c_size_t]),
+            ("ggml_backend_reg_name", c.c_char_p, [c.c_void_p]),
+            ("ggml_backend_dev_count", c.c_size_t, []),
+            ("ggml_backend_dev_get", c.c_void_p, [c.c_size_t]),
+            ("ggml_backend_dev_name", c.c_char_p, [c.c_void_p]),
+            ("ggml_backend_dev_description", c.c_char_p, [c.c_void_p]),
+            ("ggml_backend_dev_type", c.c_int, [c.c_void_p]),
+            ("ggml_backend_dev_memory", None, [c.c_void_p, c.POINTER(c.c_size_t), c.POINTER(c.c_size_t)]),
+            ("ggml_backend_dev_backend_reg", c.c_void_p, [c.c_void_p]),
+        ):
+            f = getattr(lib, name)
+            f.restype, f.argtypes = res, args
+        _ggml_ready = True
+    return lib
+
+
+def _text(b: bytes | None) -> str:
+    return (b or b"").decode("utf-8", "replace")
+
+
+def compiled_backends() -> list[str]:
+    """The ggml backends this build registered (e.g. CPU, CUDA, Metal, RPC)."""
+    lib = _ggml()
+    return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())]
+
+
+def devices() -> list[dict]:
+    """Every device llama.cpp can run on: name, description, type (cpu | gpu | igpu | accel), backend, free and
+    total memory in bytes."""
+    lib = _ggml()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        kind = int(lib.ggml_backend_dev_type(dev))
+        out.append({
+            "name": _text(lib.ggml_backend_dev_name(dev)),
+            "description": _text(lib.ggml_backend_dev_description(dev)),
+            "type": DEVICE_TYPES.get(kind, str(kind)),
+            "backend": _text(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))),
+            "memory_free": int(free.value),
+            "memory_total": int(total.value),
+        })
+    return out
+
+
+def resolve_gpu_layers(n: int | None) -> int:
+    """A layer count to offload: as given, or by default all layers (-1) when there is a GPU device, else 0."""
+    if n is not None:
+        return int(n)
+    return -1 if supports_gpu_offload() else 0
 
 
 # ----------------------------------------------------------------- ggml: devices, RPC, aborts

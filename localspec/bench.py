@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .engine import Engine, GenConfig
-from .errors import UsageError
+from .errors import AlgorithmBugError, UsageError
 from .sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
@@ -59,10 +59,13 @@ class RunResult:
     verify_s: float
     target_passes: int
     k_effective: int = 0  # k after the exact-batch cap
+    exactness: str = ""  # the level the run used: bit | lossless
     speedup: float | None = None  # vs the baseline run right before it
     exact: bool | None = None  # temperature 0: same tokens as the baseline
-    mismatch_pos: int | None = None
-    mismatch_margin: float | None = None
+    mismatch_pos: int | None = None  # first divergent position
+    mismatch_margin: float | None = None  # the target's top-2 logit margin there, one token at a time
+    mismatch_deviation: float | None = None  # measured batch-vs-single |Δlogit| for the run's batch sizes
+    mismatch_kind: str | None = None  # numeric (a near-tie flipped by float order) | bug
     tokens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -182,13 +185,39 @@ def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
 
 # ------------------------------------------------------------------ running
 def _margin_at(engine: Engine, prompt: list[int], prefix: list[int]) -> float:
-    logits = engine.target.sync(prompt + prefix)
+    """The target's top-2 logit margin after prompt + prefix, computed as plain decoding does: the prompt in one
+    batch, then every generated token on its own (so no verify batch's rounding leaks in through the KV cache)."""
+    tgt = engine.target
+    logits = tgt.sync(prompt)
+    for t in prefix:
+        logits = tgt.decode([t], "last")[0]
     top2 = np.partition(logits, -2)[-2:]
     return float(top2[1] - top2[0])
 
 
-def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed) -> tuple:
-    gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens,
+# A verify row's logits differ from the one-token decode by at most the measured deviation d each, so the gap
+# between the top two can move by up to 2d: a flip at a margin above that cannot come from float order.
+FLIP_FACTOR = 2.0
+
+
+def classify(margin: float, deviation: float) -> str:
+    """'numeric' when float reduction order can explain a divergence at this margin, else 'bug'."""
+    return "bug" if margin > FLIP_FACTOR * deviation else "numeric"
+
+
+def batch_deviation(engine: Engine, k_requested: int, k_effective: int) -> float:
+    """The largest measured |Δlogit| for the verify batches a run can use (2..k_effective + 1 rows), from the
+    probe the engine ran (or runs now) for k_requested."""
+    from .exactness import deviation
+
+    if k_effective < 1:
+        return 0.0
+    dev = deviation(engine.target, max(k_requested, k_effective) + 1)
+    return max((v for b, v in dev.items() if b <= k_effective + 1), default=0.0)
+
+
+def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed, exactness="auto") -> tuple:
+    gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens, exactness=exactness,
                    sampling=SamplingParams(temperature=temperature, seed=seed),
                    **({"p_min": cfg.p_min} if cfg.p_min is not None else {}))
     fin = engine.complete(tokens, gc)
@@ -203,6 +232,7 @@ def run_bench(
     max_tokens: int = 128,
     repeat: int = 1,
     temperature: float = 0.0,
+    exactness: str = "auto",
     on_run: Callable[[RunResult], None] | None = None,
 ) -> list[RunResult]:
     results: list[RunResult] = []
@@ -214,7 +244,7 @@ def run_bench(
             completion_tokens=st.completion_tokens, drafted=st.drafted, accepted=st.accepted,
             acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
             draft_s=st.draft_s, verify_s=st.verify_s, target_passes=st.target_passes, tokens=toks,
-            k_effective=st.k_cap,
+            k_effective=st.k_cap, exactness=st.exactness,
         )
         if base is not None:
             rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
@@ -235,13 +265,21 @@ def run_bench(
             for cfg in configs:
                 btoks, bst = _one(engine, tokens, BASELINE, max_tokens, temperature, seed)
                 base = record(p, BASELINE, r, btoks, bst)
-                toks, st = _one(engine, tokens, cfg, max_tokens, temperature, seed)
+                toks, st = _one(engine, tokens, cfg, max_tokens, temperature, seed, exactness)
                 rr = record(p, cfg, r, toks, st, base)
                 if rr.exact is False:
-                    pos = next((i for i, (a, b) in enumerate(zip(toks, btoks)) if a != b), min(len(toks), len(btoks)))
-                    rr.mismatch_pos = pos
-                    rr.mismatch_margin = _margin_at(engine, tokens, btoks[:pos])
+                    audit(engine, rr, tokens, toks, btoks)
     return results
+
+
+def audit(engine: Engine, rr: RunResult, prompt: list[int], toks: list[int], btoks: list[int]) -> None:
+    """Re-score an output that differs from plain decoding: where, at what margin, and whether the measured
+    numeric deviation of the verify batches can explain it."""
+    pos = next((i for i, (a, b) in enumerate(zip(toks, btoks)) if a != b), min(len(toks), len(btoks)))
+    rr.mismatch_pos = pos
+    rr.mismatch_margin = _margin_at(engine, prompt, btoks[:pos])
+    rr.mismatch_deviation = batch_deviation(engine, rr.k, rr.k_effective)
+    rr.mismatch_kind = classify(rr.mismatch_margin, rr.mismatch_deviation)
 
 
 # ------------------------------------------------------------------ report
@@ -263,6 +301,7 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
         passes = sum(r.target_passes for r in rs)
         alpha = accepted / drafted if drafted else 0.0
         exact = [r.exact for r in rs if r.exact is not None]
+        diverged = [r for r in rs if r.exact is False]
         row = {
             "config": config, "category": cat, "runs": len(rs), "method": rs[0].method, "k": rs[0].k,
             "k_effective": max(r.k_effective for r in rs),
@@ -273,8 +312,12 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
             "mean_accepted_length": (accepted + passes) / passes if passes else 0.0,
             "speedup_median": statistics.median(sp) if sp else None,
             "exact": all(exact) if exact else None,
-            "mismatches": [{"prompt": r.prompt_id, "repeat": r.repeat, "position": r.mismatch_pos, "margin": r.mismatch_margin}
-                           for r in rs if r.exact is False],
+            "exactness": ",".join(sorted({r.exactness for r in rs if r.exactness})) or None,
+            "identical_share": sum(exact) / len(exact) if exact else None,
+            "median_divergence": statistics.median(r.mismatch_pos for r in diverged) if diverged else None,
+            "bugs": sum(r.mismatch_kind == "bug" for r in diverged),
+            "mismatches": [{"prompt": r.prompt_id, "repeat": r.repeat, "position": r.mismatch_pos, "margin": r.mismatch_margin,
+                            "deviation": r.mismatch_deviation, "kind": r.mismatch_kind} for r in diverged],
             "ideal_speedup": None, "measured_over_ideal": None,
         }
         if calib and row["method"] in ("draft", "lookup") and drafted:
@@ -314,23 +357,30 @@ def print_report(rows: list[dict], console=None) -> None:
 
     console = console or Console(stderr=True)
     t = Table(title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
-    for col in ("config", "k eff", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept", "len",
-                "speedup", "ideal", "meas/ideal", "exact"):
-        t.add_column(col, justify="right" if col not in ("config", "category") else "left")
+    for col in ("config", "k eff", "exactness", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept",
+                "len", "speedup", "ideal", "meas/ideal", "identical", "div pos"):
+        t.add_column(col, justify="right" if col not in ("config", "exactness", "category") else "left")
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
     for r in rows:
-        t.add_row(r["config"], str(r["k_effective"]) if r["method"] != "none" else "-", r["category"], f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
+        spec = r["method"] != "none"
+        share = r["identical_share"]
+        ident = "-" if share is None or not spec else ("[red]" if r["bugs"] else "") + f"{share:.0%}" + ("[/red]" if r["bugs"] else "")
+        t.add_row(r["config"], str(r["k_effective"]) if spec else "-", (r["exactness"] or "-") if spec else "-", r["category"],
+                  f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
                   f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
                   f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
-                  f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"),
-                  {True: "yes", False: "[red]NO[/red]", None: "-"}[r["exact"]])
+                  f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"), ident,
+                  f(r["median_divergence"], "g"))
     console.print(t)
     console.print(bars([r for r in rows if r["method"] != "none"]))
     for r in rows:
+        if r["category"] == "all":
+            continue  # each divergence once, under its own category
         for m in r["mismatches"]:
-            kind = "near-tie (floating point across batch shapes)" if m["margin"] is not None and m["margin"] < 1e-2 else "BUG"
-            console.print(f"[red]mismatch[/red] {r['config']} on {m['prompt']}: first different token at {m['position']}, "
-                          f"target top-2 margin there {m['margin']:.4g} -> {kind}")
+            why = ("numeric: a near-tie flipped by float reduction order" if m["kind"] == "numeric"
+                   else "[red]BUG[/red]: float order cannot flip a margin that wide")
+            console.print(f"divergence {r['config']} on {m['prompt']}: first different token at {m['position']}, target "
+                          f"top-2 margin there {m['margin']:.4g}, measured batch deviation {m['deviation']:.4g} -> {why}")
 
 
 def write_json(path: Path, rows, results, calib, meta) -> None:

@@ -131,6 +131,7 @@ CtxOpt = _opt("ctx_size", "-c", "--ctx-size", help="Context size in tokens; defa
 GpuOpt = _opt("gpu_layers", "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target layers offloaded to the GPU (-1 = all).")
 DraftGpuOpt = _opt("draft_gpu_layers", "--draft-gpu-layers", "-ngld", help="Draft layers offloaded to the GPU (-1 = all).")
 ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.")
+ExactnessOpt = _opt("exactness", "--exactness", help="Exactness level: auto | bit | lossless (see README, Exactness).")
 RpcOpt = _opt("rpc", "--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.")
 SplitOpt = _opt("tensor_split", "--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.")
 
@@ -233,6 +234,8 @@ def short_summary(stats, finish: str) -> str:
         parts.append(finish)
     if stats.rpc_workers:
         parts.append(f"rpc workers: {', '.join(stats.rpc_workers)}")
+    if stats.drafted and stats.exactness:
+        parts.append({"bit": "bit-exact", "lossless": "lossless"}.get(stats.exactness, stats.exactness))
     return " · ".join(parts)
 
 
@@ -245,6 +248,7 @@ def summary_line(stats, finish: str) -> str:
         f"{stats.tokens_per_pass:.2f} tokens per target pass | mean accepted length {mal} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
         + (f" | rpc workers: {', '.join(stats.rpc_workers)}" if stats.rpc_workers else "")
+        + f" | {stats.exactness_reason or stats.exactness}"
     )
 
 
@@ -287,6 +291,8 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") 
         "steps_by_method": dict(stats.method_used),
         "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
         "controller": stats.reason or None,
+        "exactness": stats.exactness,
+        "exactness_reason": stats.exactness_reason,
         "draft_dropped": engine.dropped_draft,
         "rpc_workers": list(stats.rpc_workers) if stats is not None else [],
     }
@@ -321,6 +327,7 @@ def run(
     draft: DraftOpt = None,
     method: MethodOpt = None,
     draft_tokens: KOpt = None,
+    exactness: ExactnessOpt = None,
     p_min: _opt("p_min", "--p-min", help="The draft model stops drafting when its top probability falls below this.") = None,
     lookup_min: _opt("lookup_min", "--lookup-min", help="Shortest n-gram for prompt lookup.") = None,
     lookup_max: _opt("lookup_max", "--lookup-max", help="Longest n-gram for prompt lookup.") = None,
@@ -348,7 +355,7 @@ def run(
     from .session import Session, generation_slot
 
     sess = Session(flags(
-        model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, lookup_min=lookup_min,
+        model=model, draft=draft, method=method, draft_tokens=draft_tokens, exactness=exactness, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
         rpc=rpc, tensor_split=tensor_split,
@@ -672,20 +679,23 @@ def models_add(
 # ----------------------------------------------------------------- doctor
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
-    """Versions, compiled backends and devices, CPU features, threads, cache and models."""
+    """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
     from . import download, registry
-    from .backend import default_threads, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
+    from .backend import compiled_backends, default_threads, devices, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
+    from .exactness import cached_probes
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
+    backends: list[str] = []
     try:
         report["llama_cpp_python"] = llama_cpp_version()
-        info = system_info()
-        report["system_info"] = info.strip()
+        report["system_info"] = system_info().strip()
         report["gpu_offload"] = supports_gpu_offload()
         report["rpc"] = rpc_available()  # `localspec worker` and --rpc
+        backends = compiled_backends()
+        report["devices"] = devices()
     except Exception as exc:
         report["llama_cpp_python"] = f"not working: {exc}"
-        info = ""
+        report["devices"] = []
     flags = set()
     try:
         with open("/proc/cpuinfo") as fh:
@@ -696,8 +706,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     except OSError:
         pass
     report["cpu_features"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "bmi2")))
-    backends = [b for b in ("CUDA", "Metal", "Vulkan", "ROCm", "SYCL") if b.lower() in info.lower()]
-    report["backends"] = ["CPU"] + backends
+    report["backends"] = backends
     report["threads"] = default_threads()
     cd = download.cache_dir()
     report["cache_dir"] = str(cd)
@@ -705,23 +714,37 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     report["config_file"] = str(config.config_file())
     pairs, default = registry.load()
     report["models"] = {n: all(download.local_path(s) is not None for s in (p.target, p.draft) if s) for n, p in pairs.items()}
+    report["exactness_probes"] = [
+        {"model": p.get("model"), "llama_cpp": p.get("llama_cpp"), "threads": p.get("threads"), "gpu_layers": p.get("gpu_layers"),
+         "kv_type": p.get("kv_type"), "long_prefix": p.get("long_prefix"), "exact_batch": p["batch"],
+         "deviation": {str(b): v for b, v in sorted(p["deviation"].items())}}
+        for p in cached_probes()
+    ]
     notes = []
     if any(f.startswith("amx") for f in flags):
         notes.append("CPU has AMX: a default (-march=native) llama-cpp-python build can crash with SIGILL; "
                      "rebuild with the CMAKE_ARGS in the README, or set LOCALSPEC_NO_REPACK=1")
-    if not backends:
-        notes.append('CPU only. For NVIDIA: CMAKE_ARGS="-DGGML_CUDA=on" pip install --no-cache-dir --force-reinstall '
-                     'llama-cpp-python==0.3.36; for Apple: CMAKE_ARGS="-DGGML_METAL=on" (then use --gpu-layers -1)')
+    if not any(d["type"] in ("gpu", "igpu") for d in report["devices"]):
+        notes.append("CPU only. For an NVIDIA GPU (nvcc on PATH) or Apple Silicon, `bash .ci/install-llama-cpp` "
+                     "builds llama.cpp with CUDA or Metal; layers then go to the GPU by default")
     report["notes"] = notes
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
     for k, v in report.items():
-        if k in ("system_info", "notes", "models"):
+        if k in ("system_info", "notes", "models", "devices", "exactness_probes"):
             continue
         typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
     typer.echo(f"system_info: {report.get('system_info', '')}")
+    for d in report["devices"]:
+        mem = f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free" if d["memory_total"] else "memory n/a"
+        typer.echo(f"device: {d['name']} ({d['type']}, {d['backend']}) {d['description']}: {mem}")
     typer.echo("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
+    for p in report["exactness_probes"]:
+        dev = " ".join(f"{b}:{v:.3g}" for b, v in p["deviation"].items()) or "-"
+        typer.echo(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
+                   f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
+                   f"max |Δlogit| per batch size {dev}")
     for n in notes:
         typer.echo(f"note: {n}")
 
@@ -758,6 +781,7 @@ def bench(
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens")] = 128,
     repeat: Annotated[int, typer.Option("--repeat")] = 1,
     temperature: Annotated[float, typer.Option("-t", "--temperature")] = 0.0,
+    exactness: ExactnessOpt = None,
     categories: Annotated[Optional[str], typer.Option("--categories", help="Only these categories (comma-separated).", show_default=False)] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", help="At most N prompts per category.", show_default=False)] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the full report as JSON.", show_default=False)] = None,
@@ -771,7 +795,7 @@ def bench(
     tensor_split: SplitOpt = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
-    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc, tensor_split)
+    sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc, tensor_split, exactness)
     _bench(sess, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
@@ -795,12 +819,14 @@ def tune(
     _tune(sess, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
 
-def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc=None, tensor_split=None):
+def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc=None, tensor_split=None,
+                   exactness=None):
     from .session import Session
 
     # bench and tune compare methods themselves: the draft is loaded whatever the configured method is
     sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, gpu_layers=gpu_layers,
-                         draft_gpu_layers=draft_gpu_layers, method="auto", rpc=rpc, tensor_split=tensor_split))
+                         draft_gpu_layers=draft_gpu_layers, method="auto", rpc=rpc, tensor_split=tensor_split,
+                         exactness=exactness))
     sess.check()
     return sess
 
@@ -817,6 +843,7 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
     if repeat < 1 or max_tokens < 1:
         raise UsageError("--repeat and --max-tokens must be >= 1")
     ps = B.load_prompts(prompts, categories.split(",") if categories else None, limit)
+    exactness = sess["exactness"] or "auto"
     console = Console(stderr=True)
     sess.announce = console.print
     engine = sess.load()
@@ -840,7 +867,7 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
                         prog.advance(task)
 
                     results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat,
-                                          temperature=temperature, on_run=on_run)
+                                          temperature=temperature, exactness=exactness, on_run=on_run)
         except KeyboardInterrupt:
             global INTERRUPT_REPORTED
             INTERRUPT_REPORTED = True
@@ -852,6 +879,7 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
         B.print_report(rows, Console())
         meta = {"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None,
                 "max_tokens": max_tokens, "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
+                "exactness": exactness,
                 "configs": [c.label for c in configs], "prompts": len(ps),
                 "rpc_workers": list(getattr(engine.target, "rpc_servers", None) or [])}
         if json_out:
@@ -860,6 +888,12 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
             B.write_csv(csv_out, results)
         if plot:
             B.plot_png(plot, rows)
+        bugs = sum(r.mismatch_kind == "bug" for r in results)
+        if bugs:
+            from .errors import AlgorithmBugError
+
+            raise AlgorithmBugError(f"{bugs} divergence{'s exceed' if bugs != 1 else ' exceeds'} the measured numeric "
+                                    "deviation (algorithm bug)")
         return rows
     finally:
         sess.close()

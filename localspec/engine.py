@@ -8,6 +8,7 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 from __future__ import annotations
 
 import codecs
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,7 +24,9 @@ from .stats import Stats
 from .verify import greedy_verify, one_hot, speculative_sampling
 
 METHODS = ("auto", "draft", "lookup", "none")
+EXACTNESS = ("auto", "bit", "lossless")
 MAX_K = 64
+AUTO_MIN_BIT_K = 2  # auto keeps bit-exactness when the probe's cap leaves at least this many draft tokens
 
 
 @dataclass
@@ -37,10 +40,16 @@ class GenConfig:
     lookup_min: int = 2
     lookup_max: int = 4
     adaptive: bool | None = None  # None: adaptive in auto, fixed k otherwise
+    # bit: k capped so verify batches are bit-identical to one-token decoding (output == plain decoding);
+    # lossless: no cap, every token is the target's choice in the pass that emitted it (float order may flip
+    # near-ties); auto: bit when the cap leaves >= 2 draft tokens, else lossless
+    exactness: str = "auto"
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.exactness not in EXACTNESS:
+            raise UsageError(f"unknown exactness {self.exactness!r}; choose one of {', '.join(EXACTNESS)}")
         if not isinstance(self.k, int) or self.k < 0 or self.k > MAX_K:
             raise UsageError(f"draft tokens (-k) must be between 0 and {MAX_K}, got {self.k}")
         if self.max_tokens is None or self.max_tokens < 1:
@@ -147,27 +156,29 @@ class Engine:
         draft_path=None,
         *,
         n_ctx: int = 4096,
-        gpu_layers: int = 0,
-        draft_gpu_layers: int = 0,
+        gpu_layers: int | None = None,
+        draft_gpu_layers: int | None = None,
         threads: int | None = None,
         drop_incompatible_draft: bool = False,
         rpc: str | Sequence[str] | None = None,
         tensor_split: str | Sequence[float] | None = None,
     ) -> "Engine":
-        """Load target (and draft). drop_incompatible_draft: keep going without a draft that fails the
+        """Load target (and draft). gpu_layers None: all layers on the GPU when llama.cpp has a GPU device, else
+        none. drop_incompatible_draft: keep going without a draft that fails the
         pair check (the reason is in .dropped_draft) instead of raising. rpc: llama.cpp RPC workers
         ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
         from . import rpc as rpc_mod
-        from .backend import Model
+        from .backend import Model, resolve_gpu_layers
 
         workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects
         split = rpc_mod.parse_tensor_split(tensor_split)
-        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=gpu_layers, n_threads=threads,
+        target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=resolve_gpu_layers(gpu_layers), n_threads=threads,
                        rpc_servers=workers or None, tensor_split=split)
         draft = None
         try:
             if draft_path is not None:
-                draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=draft_gpu_layers, n_threads=threads)
+                draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
+                              n_threads=threads)
             try:
                 return cls(target, draft)
             except IncompatibleDraftError as exc:
@@ -231,11 +242,37 @@ class Engine:
             self._exact[k] = min(k, max_exact_batch(self.target, k + 1) - 1)
         return self._exact[k]
 
+    def exactness_for(self, cfg: GenConfig) -> tuple[int, str, str]:
+        """(k, level, reason): the k to speculate with under cfg.exactness, the level in use (bit | lossless)
+        and why, in plain words."""
+        k = cfg.k
+        if self.resolve_method(cfg) == "none" or k <= 0:
+            return 0, "bit", "bit: plain decoding (no verify batches)"
+        level = cfg.exactness
+        if level == "auto" and _env_allows_inexact():
+            return k, "lossless", ("lossless: LOCALSPEC_ALLOW_INEXACT is set, so k is uncapped; "
+                                   "only float reduction order differs from one-token decoding")
+        if level == "lossless":
+            return k, "lossless", ("lossless: chosen, so k is uncapped; every token is the target's choice in the "
+                                   "pass that emitted it, only float reduction order differs from one-token decoding")
+        cap = self.exact_k(k)
+        if level == "auto" and cap < min(AUTO_MIN_BIT_K, k):
+            return k, "lossless", (f"lossless: bit-exact verify needs k <= {cap} on this backend, so k is uncapped; "
+                                   "only float reduction order differs")
+        if cap == 0:
+            return 0, "bit", ("bit: verify batches of 2 or more rows are not bit-identical to one-token decoding "
+                              "here, so bit exactness means plain decoding")
+        if cap < k:
+            return cap, "bit", (f"bit: k capped at {cap}; verify batches up to {cap + 1} rows are bit-identical to "
+                                "one-token decoding here, bigger ones are not")
+        return cap, "bit", f"bit: verify batches up to {cap + 1} rows are bit-identical to one-token decoding here"
+
     def make_policy(self, cfg: GenConfig):
-        """(policy, method, k): k is cfg.k capped to what verifies bit-exactly (0 for plain decoding)."""
+        """(policy, method, k): k is cfg.k, capped under bit exactness to what verifies bit-exactly (0 for plain
+        decoding)."""
         method = self.resolve_method(cfg)
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
-        k = self.exact_k(cfg.k) if method != "none" else 0
+        k = self.exactness_for(cfg)[0] if method != "none" else 0
         if method == "none" or k == 0:
             return FixedPolicy(None, 0), "none", k
         if adaptive:
@@ -271,7 +308,8 @@ class Engine:
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
         policy, method, k_cap = self.make_policy(cfg)
-        stats = self.last_stats = Stats(method=method, k_cap=k_cap)
+        _, level, why = self.exactness_for(cfg)
+        stats = self.last_stats = Stats(method=method, k_cap=k_cap, exactness=level, exactness_reason=why)
         stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
         if method != "none" and stats.k_cap < cfg.k:
             stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
@@ -381,6 +419,11 @@ class Engine:
             if isinstance(ev, Finished):
                 result = ev
         return result
+
+
+def _env_allows_inexact() -> bool:
+    """LOCALSPEC_ALLOW_INEXACT=1 (the older switch): `auto` exactness means lossless."""
+    return os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0")
 
 
 def _drafters_of(policy) -> list[Drafter]:

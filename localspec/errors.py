@@ -29,3 +29,9 @@ class DecodeError(LocalspecError):
 
 class DownloadError(LocalspecError):
     pass
+
+
+class AlgorithmBugError(LocalspecError):
+    """`localspec bench` found outputs that differ from plain decoding by more than float order can explain."""
+
+    exit_code = 3

@@ -1,9 +1,13 @@
-"""How large may a verify batch be while every row's logits stay bit-identical to one-token decoding?
+"""How large may a verify batch be while every row's logits stay bit-identical to one-token decoding, and how far
+do the rows of bigger batches move?
 
 llama.cpp switches matmul kernels with the batch size (measured on Qwen2.5-Coder-1.5B Q4_K_M, AVX-512 CPU:
 batches of 1-3 rows are bit-identical to one-token decodes; from 4 rows the repacked Q4_K GEMM kicks in and
-logits move by up to 0.65). Verifying with such a batch would change greedy choices at margins below that,
-so the engine measures the largest exact batch once per model file and build, and caps k below it.
+logits move by up to 0.65; on CUDA and Metal the kernels change from 2 rows on). Verifying with such a batch
+can change greedy choices at margins below that. The probe measures, once per model file and build, the largest
+exact batch (bit exactness caps k below it) and, per batch size, the largest |logit difference| between a batched
+row and the one-token decode of the same position (the divergence audit in `localspec bench` compares a
+divergence's top-2 margin with it).
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ import numpy as np
 from .cachefile import read_json, write_json
 
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
+LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
+CACHE_FILE = "exact_batch.json"
+
+
+def _long_ok(model, upto: int) -> bool:
+    return model.n_ctx >= LONG_CONTEXT + upto + 8
 
 
 def _key(model, upto: int) -> str:
@@ -23,25 +33,30 @@ def _key(model, upto: int) -> str:
 
     parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
              llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
-             model.n_ctx >= LONG_CONTEXT + upto + 8, upto]
+             _long_ok(model, upto), upto]
     if getattr(model, "rpc_servers", None):  # the workers compute the layers: their kernels decide
         parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]
     return "|".join(str(x) for x in parts)
 
 
-LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
+def measure(model, upto: int) -> dict:
+    """{"batch": largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes,
+    "deviation": {B: largest |Δlogit| of any row of a B-row batch vs its one-token decode}}, over a short and
+    (when the context allows) a long prefix."""
+    best, dev = _measure_at(model, upto, 8)
+    if _long_ok(model, upto):
+        best_long, dev_long = _measure_at(model, upto, LONG_CONTEXT)
+        best = min(best, best_long)
+        dev = {b: max(v, dev_long[b]) for b, v in dev.items()}
+    return {"batch": best, "deviation": dev}
 
 
 def probe(model, upto: int) -> int:
-    """Largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes, after a short
-    and (when the context allows) a long prefix."""
-    best = _probe_at(model, upto, 8)
-    if best > 1 and model.n_ctx >= LONG_CONTEXT + upto + 8:
-        best = min(best, _probe_at(model, best, LONG_CONTEXT))
-    return best
+    """Largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes (uncached)."""
+    return measure(model, upto)["batch"]
 
 
-def _probe_at(model, upto: int, prefix: int) -> int:
+def _measure_at(model, upto: int, prefix: int) -> tuple[int, dict[int, float]]:
     saved = list(model.tokens)
     model.clear()
     try:
@@ -55,28 +70,65 @@ def _probe_at(model, upto: int, prefix: int) -> int:
         for t in seq:
             singles.append(model.decode([t], "last")[0])
         model.truncate(base)
-        best = 1
+        best, exact, dev = 1, True, {}
         for b in range(2, len(seq) + 1):
             rows = model.decode(seq[:b], "all")
             model.truncate(base)
-            if not all(np.array_equal(rows[i], singles[i]) for i in range(b)):
-                break
-            best = b
-        return best
+            exact = exact and all(np.array_equal(rows[i], singles[i]) for i in range(b))
+            if exact:
+                best = b
+            dev[b] = float(max(np.max(np.abs(rows[i] - singles[i])) for i in range(b)))
+        return best, dev
     finally:
         model.clear()
         if saved:
             model.decode(saved, "last")
 
 
-def max_exact_batch(model, upto: int) -> int:
-    if os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0"):
-        return upto
+def _record(model, upto: int) -> dict:
+    """The cached measurement for this model, build and settings; measured on a miss (or an entry from an older
+    localspec that stored only the batch)."""
+    from .backend import llama_cpp_version
+
     key = _key(model, upto)
-    db = read_json("exact_batch.json")
-    if key in db:
-        return int(db[key])
-    best = probe(model, upto)
-    db[key] = best
-    write_json("exact_batch.json", db)
-    return best
+    db = read_json(CACHE_FILE)
+    entry = db.get(key)
+    if isinstance(entry, dict) and "batch" in entry and isinstance(entry.get("deviation"), dict):
+        return entry
+    m = measure(model, upto)
+    entry = {
+        "batch": m["batch"],
+        "deviation": {str(b): v for b, v in m["deviation"].items()},
+        "model": str(model.path.resolve()),
+        "upto": upto,
+        "threads": model.n_threads,
+        "gpu_layers": model.n_gpu_layers,
+        "kv_type": model.kv_type,
+        "long_prefix": _long_ok(model, upto),
+        "llama_cpp": llama_cpp_version(),
+    }
+    db = read_json(CACHE_FILE)  # re-read: another process may have added entries meanwhile
+    db[key] = entry
+    write_json(CACHE_FILE, db)
+    return entry
+
+
+def max_exact_batch(model, upto: int) -> int:
+    """The probe's answer, cached per model file, build, threads, GPU layers and KV type. (LOCALSPEC_ALLOW_INEXACT
+    is handled by the engine: it selects lossless exactness.)"""
+    return int(_record(model, upto)["batch"])
+
+
+def deviation(model, upto: int) -> dict[int, float]:
+    """Per batch size B in 2..upto: the largest |Δlogit| between a row of a B-row batch and the one-token decode
+    of the same position (0.0 where bit-identical). Cached with the exact batch."""
+    return {int(b): float(v) for b, v in _record(model, upto)["deviation"].items()}
+
+
+def cached_probes() -> list[dict]:
+    """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size."""
+    out = []
+    for entry in read_json(CACHE_FILE).values():
+        if isinstance(entry, dict) and "batch" in entry:
+            out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()}})
+    return out

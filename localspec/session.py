@@ -127,6 +127,7 @@ def gen_config(v: dict[str, Any], stop=None):
         p_min=0.75 if v.get("p_min") is None else v["p_min"],
         lookup_min=v.get("lookup_min") or 2,
         lookup_max=v.get("lookup_max") or 4,
+        exactness=v.get("exactness") or "auto",
     )
 
 

@@ -27,7 +27,9 @@ class Stats:
     elapsed_s: float = 0.0
     k_used: Counter = field(default_factory=Counter)  # k chosen per step (adaptive controller)
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
-    k_cap: int = 0  # largest k whose verify batch is bit-exact (see exactness.py)
+    k_cap: int = 0  # the k in effect: under bit exactness, the largest whose verify batch is bit-exact (exactness.py)
+    exactness: str = "bit"  # the level in use: bit | lossless (see GenConfig.exactness)
+    exactness_reason: str = ""  # why, in plain words
     reason: str = ""  # why the controller chose what it did, e.g. "auto -> none: draft 0.91x"
     started: float = 0.0  # perf_counter() when the generation began (live figures run from it)
     running: bool = False  # True while tokens are still coming: rates use the clock, not elapsed_s

@@ -157,6 +157,8 @@ def test_config_precedence(target_path, tmp_path):
     assert shown["settings"]["max_tokens"] == {"value": 4, "source": "env LOCALSPEC_MAX_TOKENS"}
     assert shown["settings"]["temperature"]["source"].startswith("file ")
     assert shown["settings"]["method"]["source"] == "default"
+    assert shown["settings"]["exactness"] == {"value": "auto", "source": "default"}
+    assert shown["settings"]["gpu_layers"] == {"value": None, "source": "default"}  # resolved at load time
     bad = cli(base, env={"LOCALSPEC_MAX_TOKENS": "many"})
     assert "LOCALSPEC_MAX_TOKENS" in one_error_line(bad, 2)
 
@@ -166,3 +168,35 @@ def test_version_and_help():
     assert r.returncode == 0 and b"localspec" in r.stdout and b"llama-cpp-python" in r.stdout
     r = cli(["run", "--help"])
     assert r.returncode == 0 and b"--draft-tokens" in r.stdout and b"Examples" in r.stdout
+
+
+def run_main(args, capsys, monkeypatch):
+    """The entry point in-process (so a test can stub the exactness probe): (exit code, stdout, stderr)."""
+    import io
+
+    from localspec.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing piped
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
+
+
+def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, monkeypatch, capsys):
+    import localspec.exactness as ex
+
+    monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: 1)  # what a GPU build measures
+    base = ["run", "-m", str(target_path), "-d", str(target_path), "--method", "draft", "-k", "4", "-n", "24", "--raw", "the cat"]
+    code, out, err = run_main(base + ["--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["exactness"] == "lossless" and d["exactness_reason"].startswith("lossless: bit-exact verify needs k <= 0")
+    assert d["drafted"] > 0 and d["steps_by_k"].get("4", 0) > 0
+    code, out, err = run_main(base + ["--exactness", "bit"], capsys, monkeypatch)
+    assert code == 0 and "bit: verify batches of 2 or more rows are not bit-identical" in err  # the summary line
+    code, out, err = run_main(base + ["--exactness", "close-enough"], capsys, monkeypatch)
+    assert code == 2 and err.startswith("error: unknown exactness")
+    monkeypatch.setenv("LOCALSPEC_EXACTNESS", "bit")  # the config key, from the environment
+    code, out, err = run_main(base + ["--json"], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["exactness"] == "bit" and json.loads(out)["drafted"] == 0

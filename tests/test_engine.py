@@ -39,8 +39,9 @@ def test_plain_is_long_enough(plain):
 def test_draft_equals_plain(engine, self_engine, plain, k, which):
     e = engine if which == "low" else self_engine
     for p in PROMPTS:
-        r = e.complete(e.raw_prompt(p), GenConfig(method="draft", k=k, max_tokens=N_EXACT, p_min=0.0))
+        r = e.complete(e.raw_prompt(p), GenConfig(method="draft", k=k, max_tokens=N_EXACT, p_min=0.0, exactness="bit"))
         assert r.tokens == plain[p], (p, k, which)
+        assert r.stats.exactness == "bit"
         assert r.stats.drafted > 0
         if which == "self":
             assert r.stats.accepted == r.stats.drafted  # the target drafting for itself: 100%
@@ -51,14 +52,14 @@ def test_draft_equals_plain(engine, self_engine, plain, k, which):
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_lookup_equals_plain(engine, plain, k):
     for p in PROMPTS:
-        r = engine.complete(engine.raw_prompt(p), GenConfig(method="lookup", k=k, max_tokens=N_EXACT))
+        r = engine.complete(engine.raw_prompt(p), GenConfig(method="lookup", k=k, max_tokens=N_EXACT, exactness="bit"))
         assert r.tokens == plain[p]
     assert r.stats.method == "lookup"
 
 
 def test_auto_adaptive_equals_plain(engine, plain):
     for p in PROMPTS:
-        r = engine.complete(engine.raw_prompt(p), GenConfig(method="auto", k=8, max_tokens=N_EXACT))
+        r = engine.complete(engine.raw_prompt(p), GenConfig(method="auto", k=8, max_tokens=N_EXACT, exactness="bit"))
         assert r.tokens == plain[p]
         assert sum(r.stats.k_used.values()) == r.stats.target_passes
 
@@ -239,8 +240,9 @@ def test_exact_batch_probe_caps_k(target_path, plain):
     e = Engine.load(target_path, target_path, n_ctx=1024)
     try:
         assert e.exact_k(8) == min(8, best - 1)
-        r = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="draft", k=8, max_tokens=40, p_min=0))
+        r = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="draft", k=8, max_tokens=40, p_min=0, exactness="bit"))
         assert max(r.stats.k_used) <= e.exact_k(8)
+        assert r.stats.exactness == "bit" and r.stats.exactness_reason.startswith("bit: ")
         if e.exact_k(8) < 8:
             assert "k capped" in r.stats.reason
     finally:
@@ -257,6 +259,7 @@ def test_large_k_uncapped_still_exact_with_wide_margins(target_path, plain, monk
             r = e.complete(e.raw_prompt(p), GenConfig(method="draft", k=8, max_tokens=N_EXACT, p_min=0))
             assert r.tokens == plain[p]
             assert r.stats.k_cap == 8 and r.stats.mean_accepted_length > 8
+            assert r.stats.exactness == "lossless" and "LOCALSPEC_ALLOW_INEXACT" in r.stats.exactness_reason
         low = Engine.load(target_path, e.target.path.parent / "draft.gguf", n_ctx=1024)
         try:
             for p in PROMPTS:
@@ -264,5 +267,116 @@ def test_large_k_uncapped_still_exact_with_wide_margins(target_path, plain, monk
                 assert low.complete(low.raw_prompt(p), GenConfig(method="lookup", k=8, max_tokens=N_EXACT)).tokens == plain[p]
         finally:
             low.close()
+    finally:
+        e.close()
+
+
+def test_exactness_levels_when_the_probe_answers_1(target_path, plain, monkeypatch):
+    """A backend whose verify batches are never bit-identical (every GPU): `bit` falls back to plain decoding,
+    `auto` speculates anyway at level lossless and says why, `lossless` never probes."""
+    import localspec.exactness as ex
+
+    calls = []
+    monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: calls.append(upto) or 1)
+    e = Engine.load(target_path, target_path, n_ctx=1024)
+    try:
+        prompt = e.raw_prompt(PROMPTS[0])
+        auto = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0))
+        assert auto.stats.exactness == "lossless" and auto.stats.k_cap == 4
+        assert auto.stats.exactness_reason.startswith("lossless: bit-exact verify needs k <= 0")
+        assert auto.stats.drafted > 0 and max(auto.stats.k_used) == 4
+        assert auto.tokens == plain[PROMPTS[0]]  # wide margins: no near-tie for float order to flip
+        bit = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0, exactness="bit"))
+        assert bit.stats.exactness == "bit" and bit.stats.k_cap == 0 and bit.stats.drafted == 0
+        assert bit.tokens == plain[PROMPTS[0]]
+        n = len(calls)
+        free = e.complete(prompt, GenConfig(method="lookup", k=6, max_tokens=20, exactness="lossless"))
+        assert free.stats.exactness == "lossless" and free.stats.k_cap == 6 and len(calls) == n
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("answer, level, k_cap", [(2, "lossless", 8), (3, "bit", 2), (9, "bit", 8)])
+def test_auto_exactness_keeps_bit_when_two_drafts_fit(target_path, monkeypatch, answer, level, k_cap):
+    import localspec.exactness as ex
+
+    monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: min(answer, upto))
+    e = Engine.load(target_path, None, n_ctx=512)
+    try:
+        k, got, why = e.exactness_for(GenConfig(method="lookup", k=8))
+        assert (k, got) == (k_cap, level) and why.startswith(level + ": ")
+        assert e.exactness_for(GenConfig(method="lookup", k=1))[1] == ("bit" if answer >= 2 else "lossless")
+        assert e.exactness_for(GenConfig(method="none", k=8))[:2] == (0, "bit")
+    finally:
+        e.close()
+
+
+def test_exactness_is_validated():
+    with pytest.raises(UsageError, match="exactness"):
+        GenConfig(exactness="exact")
+    assert GenConfig().exactness == "auto"
+
+
+def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_path):
+    """The probe measures, per batch size, the largest |Δlogit| between batched rows and one-token decodes (0 up
+    to the exact batch), caches it with the exact batch, and re-measures an entry from before deviations."""
+    import json
+
+    import localspec.exactness as ex
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    with Model(target_path, n_ctx=1024) as m:
+        got = ex.measure(m, 6)
+        best, dev = got["batch"], got["deviation"]
+        assert 1 <= best <= 6 and set(dev) == {2, 3, 4, 5, 6}
+        assert all(dev[b] == 0.0 for b in range(2, best + 1))
+        if best < 6:
+            assert dev[best + 1] > 0.0
+        assert all(0.0 <= v < 1.0 for v in dev.values())
+        calls = []
+        real = ex.measure
+        monkeypatch.setattr(ex, "measure", lambda model, upto: calls.append(upto) or real(model, upto))
+        assert ex.deviation(m, 6) == dev and ex.max_exact_batch(m, 6) == best and calls == [6]  # measured once
+        db = json.loads((tmp_path / ex.CACHE_FILE).read_text())
+        (key, entry), = db.items()
+        assert entry["batch"] == best and entry["model"] == str(target_path.resolve()) and entry["long_prefix"] is True
+        assert [p["deviation"] for p in ex.cached_probes()] == [dev]
+        (tmp_path / ex.CACHE_FILE).write_text(json.dumps({key: best}))  # what localspec stored before deviations
+        assert ex.deviation(m, 6) == dev and calls == [6, 6]
+        assert not [p for p in tmp_path.iterdir() if p.name != ex.CACHE_FILE]  # no temp files left behind
+
+
+def test_cache_writes_are_atomic(monkeypatch, tmp_path):
+    """A failed write leaves the previous file whole (a temp file, then os.replace) and no temp file behind."""
+    from localspec import cachefile
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    cachefile.write_json("x.json", {"a": 1})
+    assert cachefile.read_json("x.json") == {"a": 1}
+
+    def broken(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(cachefile.os, "replace", broken)
+    cachefile.write_json("x.json", {"a": 2, "b": "x" * 10000})
+    assert cachefile.read_json("x.json") == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+
+
+def test_gpu_layers_default_to_all_when_there_is_a_gpu(target_path, monkeypatch):
+    """Unset gpu layers resolve at load time: all (-1) when llama.cpp has a GPU device, else 0; a given count wins."""
+    import localspec.backend as be
+
+    assert be.supports_gpu_offload() == any(d["type"] in ("gpu", "igpu") for d in be.devices())
+    for has_gpu, want in ((False, 0), (True, -1)):
+        monkeypatch.setattr(be, "supports_gpu_offload", lambda: has_gpu)
+        e = Engine.load(target_path, target_path, n_ctx=256)
+        try:
+            assert e.target.n_gpu_layers == want and e.draft.n_gpu_layers == want
+        finally:
+            e.close()
+    e = Engine.load(target_path, target_path, n_ctx=256, gpu_layers=0, draft_gpu_layers=3)
+    try:
+        assert e.target.n_gpu_layers == 0 and e.draft.n_gpu_layers == 3
     finally:
         e.close()

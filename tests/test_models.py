@@ -174,14 +174,28 @@ def test_incompatible_pair_refused_before_download(hub):
     assert r.returncode == 2 and b"cannot speculate" in r.stderr and b"nothing was downloaded" in r.stderr
 
 
-def test_doctor_json(env):
+def test_doctor_json(env, target_path):
+    """Backends compiled in, llama.cpp's devices with memory, and every cached exactness probe."""
+    from localspec.backend import Model
+    from localspec.exactness import max_exact_batch
+
+    with Model(target_path, n_ctx=512) as m:
+        best = max_exact_batch(m, 4)  # cached in env's cache dir, which doctor reads
     r = cli(["doctor", "--json"])
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["llama_cpp_python"] == "0.3.36" and "CPU" in d["backends"] and d["threads"] >= 1
     assert "qwen2.5-coder-1.5b" in d["models"] and d["free_disk_gb"] > 0
+    cpu = [x for x in d["devices"] if x["type"] == "cpu"]
+    assert cpu and cpu[0]["backend"] == "CPU" and cpu[0]["description"] and 0 < cpu[0]["memory_free"] <= cpu[0]["memory_total"]
+    assert d["gpu_offload"] == any(x["type"] in ("gpu", "igpu") for x in d["devices"])
+    (probe,) = d["exactness_probes"]
+    assert probe["model"] == str(target_path.resolve()) and probe["exact_batch"] == best and probe["kv_type"] == "bf16"
+    assert set(probe["deviation"]) == {"2", "3", "4"} and all(v >= 0 for v in probe["deviation"].values())
     r = cli(["doctor"])
-    assert b"backends: CPU" in r.stdout
+    out = r.stdout.decode()
+    assert "backends: " in out and "CPU" in out.split("backends: ")[1].splitlines()[0]
+    assert "device: CPU (cpu, CPU)" in out and f"bit-exact up to {best} rows" in out
 
 
 def test_one_models_toml_ships():

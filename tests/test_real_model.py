@@ -11,13 +11,13 @@ def test_smollm_lookup_and_self_draft_equal_plain(smollm_path):
         prompt = e.chat_prompt([{"role": "user", "content": "Copy this line: apple, banana, cherry, date, elderberry, fig, grape."}])
         plain = e.complete(prompt, GenConfig(method="none", max_tokens=N))
         assert len(plain.tokens) > 8
-        lookup = e.complete(prompt, GenConfig(method="lookup", k=4, max_tokens=N))
+        lookup = e.complete(prompt, GenConfig(method="lookup", k=4, max_tokens=N, exactness="bit"))
         assert lookup.tokens == plain.tokens
         assert lookup.stats.accepted > 0
-        draft = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N, p_min=0))
+        draft = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N, p_min=0, exactness="bit"))
         assert draft.tokens == plain.tokens
         assert draft.stats.acceptance_rate == 1.0
-        auto = e.complete(prompt, GenConfig(method="auto", k=8, max_tokens=N))
+        auto = e.complete(prompt, GenConfig(method="auto", k=8, max_tokens=N, exactness="bit"))
         assert auto.tokens == plain.tokens
     finally:
         e.close()
@@ -32,9 +32,9 @@ def test_smollm_long_context_stays_exact(smollm_path):
         prompt = e.chat_prompt([{"role": "user", "content": "Continue this list exactly:\n" + text}])
         assert len(prompt) > 600
         plain = e.complete(prompt, GenConfig(method="none", max_tokens=N))
-        lookup = e.complete(prompt, GenConfig(method="lookup", k=4, max_tokens=N))
+        lookup = e.complete(prompt, GenConfig(method="lookup", k=4, max_tokens=N, exactness="bit"))
         assert lookup.tokens == plain.tokens
-        draft = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N, p_min=0))
+        draft = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N, p_min=0, exactness="bit"))
         assert draft.tokens == plain.tokens
         assert draft.stats.k_cap == 4 and draft.stats.accepted == draft.stats.drafted > 0  # batches of 5 were verified
     finally:
