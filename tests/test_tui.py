@@ -157,6 +157,37 @@ def test_save_never_overwrites_without_asking(target_path, tmp_path):
     asyncio.run(go())
 
 
+def test_overwrite_dialog_defaults_to_no_esc_cancels_and_typing_is_kept(tmp_path):
+    """The data-loss bug: "Overwrite it?" had Yes focused and ignored Esc, so the next prompt typed plus Enter
+    overwrote the file and the typed text was lost."""
+    from localspec.tui.app import ConfirmScreen
+
+    app = create_app(settings(tmp_path / "missing.gguf"))  # /save needs no model
+    md = tmp_path / "notes.md"
+    md.write_text("my notes")
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, f"/save {md}")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            assert app.screen.focused is not None and app.screen.focused.id == "no"
+            await pilot.press("h", "i", "enter")  # the user goes on typing their next prompt
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            await pilot.pause(0.1)
+            assert md.read_text() == "my notes"
+            assert box.text == "hi"  # what was typed is in the prompt box, not sent, not lost
+            box.clear()
+            await send(pilot, f"/save {md}")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            await pilot.pause(0.1)
+            assert md.read_text() == "my notes"
+
+    asyncio.run(go())
+
+
 def test_missing_model_shows_error_in_app(tmp_path):
     app = create_app(settings(tmp_path / "missing.gguf"))
 

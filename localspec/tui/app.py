@@ -17,6 +17,7 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Label, LoadingIndicator
 
+from ..cachefile import atomic_write
 from ..errors import LocalspecError, UsageError
 from .widgets.header_bar import HeaderBar
 from .widgets.prompt_box import PromptBox
@@ -37,9 +38,15 @@ keys: Enter send · Shift+Enter / Ctrl+J newline · Up history · Esc / Ctrl+C s
 
 
 class ConfirmScreen(ModalScreen[bool]):
+    """A yes/no question whose safe answer is the default: No has the focus and Esc answers No. Keys typed while
+    it is open (the user already typing the next prompt) are kept in `typed`, for the prompt box."""
+
+    BINDINGS = [Binding("escape", "answer_no", "No", priority=True)]
+
     def __init__(self, question: str) -> None:
         super().__init__()
         self.question = question
+        self.typed = ""
 
     def compose(self) -> ComposeResult:
         with Vertical(id="confirm"):
@@ -47,6 +54,18 @@ class ConfirmScreen(ModalScreen[bool]):
             with Horizontal():
                 yield Button("Yes", id="yes", variant="error")
                 yield Button("No", id="no", variant="primary")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_key(self, event) -> None:
+        if event.is_printable and event.character:
+            self.typed += event.character
+            event.stop()
+            event.prevent_default()
+
+    def action_answer_no(self) -> None:
+        self.dismiss(False)
 
     @on(Button.Pressed)
     def done(self, event: Button.Pressed) -> None:
@@ -356,6 +375,9 @@ class LocalspecApp(App):
 
     # ------------------------------------------------------------------ actions
     def action_stop(self) -> None:
+        if isinstance(self.screen, ConfirmScreen):  # the app's Esc binding comes first: it answers No there
+            self.screen.action_answer_no()
+            return
         if self.generating:
             self._cancel.set()
 
@@ -365,17 +387,30 @@ class LocalspecApp(App):
             m.set_colors(self.show_colors)
         self.refresh_header()
 
+    def ask(self, question: str, then) -> None:
+        """A yes/no question (No by default); what the user typed meanwhile goes back into the prompt box."""
+        screen = ConfirmScreen(question)
+
+        def answered(yes: bool | None) -> None:
+            if screen.typed:
+                box = self.query_one(PromptBox)
+                box.insert(screen.typed)
+                box.focus()
+            then(bool(yes))
+
+        self.push_screen(screen, answered)
+
     def action_request_quit(self) -> None:
         if not self.generating:
             self.exit()
             return
 
-        def answer(yes: bool | None) -> None:
+        def answer(yes: bool) -> None:
             if yes:
                 self._cancel.set()
                 self.exit()
 
-        self.push_screen(ConfirmScreen("An answer is being generated. Quit anyway?"), answer)
+        self.ask("An answer is being generated. Quit anyway?", answer)
 
     def on_unmount(self) -> None:
         self._cancel.set()
@@ -397,18 +432,18 @@ class LocalspecApp(App):
                 parts.append(f"## {m['role']}\n\n{m['content']}\n")
             content = "\n".join(parts)
 
-        def write(ok: bool | None = True) -> None:
+        def write(ok: bool = True) -> None:
             if not ok:
                 self.notify(f"{path} not overwritten")
                 return
             try:
-                path.write_text(content)
+                atomic_write(path, content)  # a crash mid-write leaves the old file, never half of one
                 self.notify(f"saved {path}")
             except OSError as exc:
-                self.notify(f"cannot write {path}: {exc.strerror}", severity="error")
+                self.notify(f"cannot write {path}: {exc.strerror or exc}", severity="error")
 
         if path.exists():
-            self.push_screen(ConfirmScreen(f"{path} exists. Overwrite it?"), write)
+            self.ask(f"{path} exists. Overwrite it?", write)
         else:
             write()
 
