@@ -188,6 +188,27 @@ def test_overwrite_dialog_defaults_to_no_esc_cancels_and_typing_is_kept(tmp_path
     asyncio.run(go())
 
 
+def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
+    from localspec.chatexport import open_fence
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+    md = tmp_path / "chat.md"
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            # what a stopped answer leaves: a code block that never got its closing fence
+            app.messages[:] = [{"role": "user", "content": "write hello world"},
+                               {"role": "assistant", "content": "Here:\n\n```python\nprint('hel", "state": "stopped"},
+                               {"role": "user", "content": "thanks"}]
+            await send(pilot, f"/save {md}")
+            await until(pilot, md.exists)
+            text = md.read_text()
+            assert open_fence(text) is None, text
+            assert text.index("print('hel") < text.rindex("```") < text.index("## user", text.index("print"))
+
+    asyncio.run(go())
+
+
 def test_missing_model_shows_error_in_app(tmp_path):
     app = create_app(settings(tmp_path / "missing.gguf"))
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
@@ -423,14 +422,13 @@ class LocalspecApp(App):
     def save(self, path: Path) -> None:
         if path.suffix.lower() not in (".md", ".json"):
             raise UsageError("/save writes .md or .json files")
+        from ..chatexport import to_json, to_markdown
+
         data = self.transcript_data()
         if path.suffix.lower() == ".json":
-            content = json.dumps(data, indent=1)
-        else:
-            parts = [f"# localspec chat ({self.pair_name})\n"]
-            for m in data["messages"]:
-                parts.append(f"## {m['role']}\n\n{m['content']}\n")
-            content = "\n".join(parts)
+            content = to_json(data)
+        else:  # an answer stopped inside a code block gets its closing fence
+            content = to_markdown(f"localspec chat ({self.pair_name})", data["messages"])
 
         def write(ok: bool = True) -> None:
             if not ok:
