@@ -100,7 +100,7 @@ def test_cancel_keeps_answer_and_chat_goes_on(long_model):
             view = app.query(MessageView).last()
             assert view.note.startswith("stopped") and view.text
             assert app.engine.last_stats.completion_tokens < 60000
-            app.s["max_tokens"] = 5
+            app.session.set("max_tokens", 5)
             view2 = await answer(pilot, "again")
             assert view2.finished and not view2.note.startswith("stopped")
 
