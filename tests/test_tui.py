@@ -209,6 +209,109 @@ def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
     asyncio.run(go())
 
 
+def test_chat_is_stored_as_it_happens_and_history_commands(target_path, tmp_path):
+    from localspec.history import History
+    from localspec.tui.app import ConfirmScreen
+    from localspec.errors import UsageError
+
+    store = History(tmp_path / "h.sqlite3")
+    app = create_app(settings(target_path, target_path, max_tokens=8), store=store)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            view = await answer(pilot, "the cat")
+            first = app.chat_id
+            c = store.get(first)
+            assert [(m["role"], m["state"]) for m in c.messages] == [("user", "done"), ("assistant", "done")]
+            assert c.messages[1]["content"] == view.text and c.title == "the cat"
+            assert c.messages[1]["stats"]["tokens"] == 8
+            await send(pilot, "/rename cats and dogs")
+            assert store.get(first).title == "cats and dogs"
+            await send(pilot, "/new")
+            assert app.chat_id is None and app.messages == [] and not app.query(MessageView)
+            await answer(pilot, "the dog")
+            second = app.chat_id
+            assert second != first
+            await send(pilot, "/history")
+            listing = [m for m in app.query(MessageView) if m.role == "history"][-1].text
+            assert "cats and dogs" in listing and f"*{second:>4}" in listing
+            await send(pilot, f"/load {first}")
+            assert app.chat_id == first and [m["content"] for m in app.messages][0] == "the cat"
+            assert [m.role for m in app.query(MessageView)] == ["user", "assistant"]
+            await until(pilot, lambda: app.warmed_tokens is not None)
+            await send(pilot, "/delete")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("enter")  # No is the default
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            assert store.get(first).id == first and app.chat_id == first
+            await send(pilot, "/delete")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.click("#yes")
+            await until(pilot, lambda: app.chat_id is None)
+            with pytest.raises(UsageError):
+                store.get(first)
+            assert [c.id for c in store.chats()] == [second]
+
+    asyncio.run(go())
+
+
+def test_resumed_chat_reuses_the_kv_cache_on_its_first_turn(target_path, tmp_path):
+    from localspec.history import History
+    from localspec.seq import common_prefix
+
+    store = History(tmp_path / "h.sqlite3")
+    cid = store.new_chat("the cat")
+    store.add_message(cid, "user", "the cat")
+    store.answer(cid).finish("the dog and the cat in the x", "done")
+    app = create_app(settings(target_path, None, method="lookup", max_tokens=6), store=store, resume=cid)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            assert [m.role for m in app.query(MessageView)] == ["user", "assistant"]  # shown before the model loads
+            await until(pilot, lambda: app.engine is not None and app.warmed_tokens is not None)
+            await answer(pilot, "and the dog")
+            old = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "the dog and the cat in the x"}]
+            new = old + [{"role": "user", "content": "and the dog"}]
+            shared = common_prefix(app.engine.chat_prompt(old), app.engine.chat_prompt(new))
+            assert shared > 10
+            assert app.engine.last_stats.cached_prompt_tokens >= shared  # the first turn after resume reused it
+            c = store.get(cid)
+            assert [m["role"] for m in c.messages] == ["user", "assistant", "user", "assistant"]
+
+    asyncio.run(go())
+
+
+def test_an_interrupted_chat_is_offered_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    from localspec import history as H
+
+    store = H.History(tmp_path / "h.sqlite3")
+    cid = store.new_chat("tell me a story")
+    store.add_message(cid, "user", "tell me a story")
+    w = store.answer(cid)
+    w.append("once upon")
+    w.flush()
+    H._unregister(w)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    store._write("UPDATE messages SET pid = ? WHERE id = ?", (dead, w.message_id))  # as if its process had crashed
+    app = create_app(settings(tmp_path / "missing.gguf"), store=store)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            notes = [n.message for n in app._notifications]
+            assert any("cut off" in n and "--continue" in n and f"/load {cid}" in n for n in notes), notes
+            assert store.interrupted() == []  # offered once
+            await send(pilot, f"/load {cid}")
+            view = app.query(MessageView).last()
+            assert view.text == "once upon" and view.note.startswith("interrupted")
+
+    asyncio.run(go())
+
+
 def test_missing_model_shows_error_in_app(tmp_path):
     app = create_app(settings(tmp_path / "missing.gguf"))
 

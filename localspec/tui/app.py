@@ -122,19 +122,32 @@ class LocalspecApp(App):
             self.text = text
             super().__init__()
 
-    def __init__(self, session, *, show_timings: bool = True, engine_loader=None) -> None:
+    class Warmed(Message):
+        def __init__(self, chat_id, tokens: int) -> None:
+            self.chat_id, self.tokens = chat_id, tokens
+            super().__init__()
+
+    def __init__(self, session, *, show_timings: bool = True, engine_loader=None, store=None,
+                 resume: int | None = None) -> None:
         super().__init__()
         self.session = session
         self.show_timings = show_timings
         self.engine = None
         self.pair_name = _display_name(str(self.s.get("model")))
-        self.messages: list[dict] = []  # the conversation as the chat template sees it
+        self.messages: list[dict] = []  # the conversation as the chat template sees it (+ "state" for answers)
         self.generating = False
         self.show_colors = True
         self._cancel = threading.Event()
+        self._engine_lock = threading.Lock()  # one user of the engine at a time: generation, cache warm-up, swap
         self._last_ui = 0.0
         self._loader = engine_loader
         self.last_result = None
+        self.store = store  # history.History, or None: nothing is stored
+        self.chat_id: int | None = None
+        self.chat_title = ""
+        self.writer = None  # the answer being stored as it streams
+        self.warmed_tokens: int | None = None  # prompt tokens put in the KV cache ahead of a resumed chat's turn
+        self._resume = resume
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -156,6 +169,9 @@ class LocalspecApp(App):
         self.refresh_header()
         self.query_one(PromptBox).focus()
         self.set_interval(0.5, self.tick)  # live figures even between tokens
+        if self._resume is not None:
+            self.history_call(lambda: self.open_chat(self._resume))
+        self.offer_interrupted()
         self.load_models(self.s["model"])
 
     def tick(self) -> None:
@@ -186,6 +202,10 @@ class LocalspecApp(App):
                 engine = self.session.load()
             if (self.s.get("method") or "auto") != "none":
                 engine.exact_k(self.current_k())  # the one-time exactness probe runs behind the loading indicator
+            with self._engine_lock:  # swap engines between generations, never under one
+                old, self.engine = self.engine, engine
+                if old is not None and old is not engine:
+                    old.close()
             self.post_message(self.Loaded(engine, model))
         except LocalspecError as exc:
             self.session.overrides = before
@@ -195,8 +215,6 @@ class LocalspecApp(App):
             self.post_message(self.LoadFailed(f"{type(exc).__name__}: {exc}"))
 
     def on_localspec_app_loaded(self, msg: Loaded) -> None:
-        if self.engine is not None:
-            self.engine.close()
         self.engine = msg.engine
         self.pair_name = _display_name(msg.name)
         self.query_one("#loading").display = False
@@ -207,6 +225,8 @@ class LocalspecApp(App):
         if self.engine.dropped_draft:
             self.notify(f"{self.engine.dropped_draft}; using prompt lookup", severity="warning")
         self.refresh_header()
+        if self.messages:
+            self.warm_cache(self.chat_id, self.chat_messages())
 
     def on_localspec_app_load_failed(self, msg: LoadFailed) -> None:
         self.query_one("#loading").display = False
@@ -237,11 +257,12 @@ class LocalspecApp(App):
             return
         self.query_one(Transcript).add("user", text)
         self.messages.append({"role": "user", "content": text})
+        self.history_call(lambda: self.store_user(text))
         self.start_generation(self.chat_messages())
 
     def chat_messages(self) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.s["system"]}] if self.s.get("system") else []
-        return sys_msg + self.messages
+        return sys_msg + [{"role": m["role"], "content": m["content"]} for m in self.messages]
 
     def run_slash(self, text: str) -> None:
         cmd, _, arg = text.partition(" ")
@@ -267,11 +288,30 @@ class LocalspecApp(App):
         elif cmd == "/system":
             self.session.set("system", arg or None)
             self.notify("system prompt " + ("set" if arg else "cleared"))
-        elif cmd == "/clear":
+        elif cmd in ("/new", "/clear"):
             if self.generating:
                 raise UsageError("stop the answer first (Esc)")
-            self.messages.clear()
-            self.query_one(Transcript).clear_all()
+            self.new_chat()
+        elif cmd == "/history":
+            self.show_history()
+        elif cmd == "/load":
+            if not arg.isdigit():
+                raise UsageError("/load takes a chat number (/history lists them)")
+            if self.generating:
+                raise UsageError("stop the answer first (Esc)")
+            self.need_history()
+            self.open_chat(int(arg))
+            if self.engine is not None:
+                self.warm_cache(self.chat_id, self.chat_messages())
+        elif cmd == "/rename":
+            self.need_history()
+            if self.chat_id is None:
+                raise UsageError("nothing to rename yet: this chat is stored once you send a message")
+            self.store.rename(self.chat_id, arg)
+            self.chat_title = " ".join(arg.split())
+            self.notify(f"chat {self.chat_id} is now “{self.chat_title}”")
+        elif cmd == "/delete":
+            self.delete_chat()
         elif cmd == "/save":
             if not arg:
                 raise UsageError("/save takes a path ending in .md or .json")
@@ -302,6 +342,8 @@ class LocalspecApp(App):
         view = self.query_one(Transcript).add("assistant", show_colors=self.show_colors)
         self.generating = True
         self._cancel.clear()
+        if compare_with is None and self.store is not None and self.chat_id is not None:
+            self.writer = self.history_call(lambda: self.store.answer(self.chat_id))
         self.generate(messages, cfg, view, compare_with)
 
     @work(thread=True, exclusive=True, group="gen")
@@ -311,13 +353,15 @@ class LocalspecApp(App):
         from ..session import generation_slot
 
         try:
-            tokens = self.engine.chat_prompt(messages)
-            with generation_slot(waiting=lambda m: self.post_message(self.Notice(m))):
-                for ev in self.engine.generate(tokens, cfg, cancel=self._cancel):
-                    if isinstance(ev, Finished):
-                        self.post_message(self.Done(view, ev, compare_with))
-                    else:
-                        self.post_message(self.Token(view, ev.text, ev.drafted, self.engine.last_stats))
+            with self._engine_lock:
+                engine = self.engine
+                tokens = engine.chat_prompt(messages)
+                with generation_slot(waiting=lambda m: self.post_message(self.Notice(m))):
+                    for ev in engine.generate(tokens, cfg, cancel=self._cancel):
+                        if isinstance(ev, Finished):
+                            self.post_message(self.Done(view, ev, compare_with))
+                        else:
+                            self.post_message(self.Token(view, ev.text, ev.drafted, engine.last_stats))
         except LocalspecError as exc:
             self.post_message(self.Failed(view, str(exc)))
         except Exception as exc:
@@ -328,6 +372,8 @@ class LocalspecApp(App):
 
     def on_localspec_app_token(self, msg: Token) -> None:
         msg.view.append(msg.text, msg.drafted)
+        if self.writer is not None and msg.text:
+            self.history_call(lambda: self.writer.append(msg.text))  # throttled inside
         now = time.monotonic()
         if now - self._last_ui > 0.1:
             self._last_ui = now
@@ -352,14 +398,17 @@ class LocalspecApp(App):
             if not self.show_timings:
                 note = f"compare: output {same}"
         else:
-            self.messages.append({"role": "assistant", "content": fin.text})
+            state = "stopped" if fin.finish_reason == "cancelled" else "done"
+            self.messages.append({"role": "assistant", "content": fin.text, "state": state})
             self.last_result = fin
+            self.finish_stored_answer(fin.text, state, _stats_record(st))
         msg.view.finish(note)
         self.query_one(StatsPanel).update_stats(st)
         self.query_one(Transcript).scroll_end(animate=False)
 
     def on_localspec_app_failed(self, msg: Failed) -> None:
         self.generating = False
+        self.finish_stored_answer(None, "error")
         msg.view.finish(f"error: {msg.error}")
         msg.view.add_class("error")
         self.notify(msg.error, severity="error")
@@ -371,6 +420,131 @@ class LocalspecApp(App):
             raise UsageError("nothing to compare yet: ask something first")
         # the conversation up to (not including) the last answer, rerun with plain decoding
         self.start_generation(self.chat_messages()[:-1], method="none", compare_with=self.last_result)
+
+    # ------------------------------------------------------------------ history
+    def history_call(self, fn):
+        """Run a history operation; a failing database is reported, never fatal to the chat."""
+        try:
+            return fn()
+        except LocalspecError as exc:
+            self.notify(f"history: {exc}", severity="error", timeout=8)
+            return None
+
+    def need_history(self) -> None:
+        if self.store is None:
+            raise UsageError("the history is off (--no-history or history = false in the config)")
+
+    def store_user(self, text: str) -> None:
+        if self.store is None:
+            return
+        if self.chat_id is None:
+            self.chat_id = self.store.new_chat(text, model=self.pair_name, system=self.s.get("system"))
+            self.chat_title = self.store.get(self.chat_id).title
+        else:
+            self.store.set_chat_settings(self.chat_id, self.pair_name, self.s.get("system"))
+        self.store.add_message(self.chat_id, "user", text)
+
+    def finish_stored_answer(self, text: str | None, state: str, stats: dict | None = None) -> None:
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            self.history_call(lambda: writer.finish(text, state, stats))
+
+    def open_chat(self, chat_id: int) -> None:
+        """Show a stored chat and continue it (its system prompt comes back with it)."""
+        chat = self.store.get(chat_id)
+        self.store.mark_interrupted(chat_id)
+        if chat.system != self.s.get("system"):
+            self.session.set("system", chat.system)
+        self.chat_id, self.chat_title = chat.id, chat.title
+        self.messages = [{"role": m["role"], "content": m["content"], "state": m["state"]}
+                         for m in chat.messages if m["state"] != "error"]
+        self.last_result = None
+        self.warmed_tokens = None
+        transcript = self.query_one(Transcript)
+        transcript.clear_all()
+        for m in self.messages:
+            view = transcript.add(m["role"], m["content"] if m["role"] != "assistant" else "")
+            if m["role"] == "assistant":
+                view.append(m["content"], False)
+                mark = {"stopped": "stopped · ", "interrupted": "interrupted · ", "streaming": "interrupted · "}
+                view.finish(mark.get(m["state"], "") + "from the history")
+        self.notify(f"chat {chat.id}: “{chat.title}” ({len(self.messages)} messages)")
+
+    def new_chat(self) -> None:
+        self.messages.clear()
+        self.chat_id, self.chat_title = None, ""
+        self.last_result = None
+        self.query_one(Transcript).clear_all()
+
+    def show_history(self) -> None:
+        self.need_history()
+        chats = self.store.chats(limit=30)
+        if not chats:
+            self.query_one(Transcript).add("history", "no stored chats yet")
+            return
+        lines = ["stored chats (newest first; /load N opens one):"]
+        for c in chats:
+            mark = "*" if c.id == self.chat_id else " "
+            when = time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated))
+            lines.append(f"{mark}{c.id:>4}  {when}  {c.n_messages:>3} msgs  {c.title}")
+        self.query_one(Transcript).add("history", "\n".join(lines))
+
+    def delete_chat(self) -> None:
+        self.need_history()
+        if self.generating:
+            raise UsageError("stop the answer first (Esc)")
+        if self.chat_id is None:
+            raise UsageError("nothing to delete: this chat is not stored yet")
+        chat_id, title = self.chat_id, self.chat_title
+
+        def answer(yes: bool) -> None:
+            if not yes:
+                self.notify(f"chat {chat_id} kept")
+                return
+            try:
+                self.store.delete(chat_id)
+            except LocalspecError as exc:
+                self.notify(f"history: {exc}", severity="error")
+                return
+            if self.chat_id == chat_id:
+                self.new_chat()
+            self.notify(f"chat {chat_id} deleted")
+
+        self.ask(f"Delete chat {chat_id} “{title}” from the history? This cannot be undone.", answer)
+
+    def offer_interrupted(self) -> None:
+        """A chat whose answer was cut off by a crash is offered again, once."""
+        if self.store is None:
+            return
+        chats = self.history_call(self.store.interrupted) or []
+        latest = self.history_call(self.store.latest)
+        for c in chats:
+            if c.id == self.chat_id:
+                continue
+            how = "localspec chat --continue" if c.id == latest else f"localspec chat --resume {c.id}"
+            self.notify(f"chat {c.id} “{c.title}” was cut off mid-answer: /load {c.id} reopens it "
+                        f"(or start with {how})", severity="warning", timeout=15)
+            self.history_call(lambda: self.store.mark_interrupted(c.id))
+
+    @work(thread=True, group="warm")
+    def warm_cache(self, chat_id, messages: list[dict]) -> None:
+        """Put a reopened chat in the KV cache now, so its next turn decodes only the new message."""
+        try:
+            with self._engine_lock:
+                engine = self.engine
+                if engine is None or chat_id != self.chat_id:
+                    return
+                tokens = engine.chat_prompt(messages)
+                engine.prefill(tokens)
+            self.post_message(self.Warmed(chat_id, len(tokens)))
+        except LocalspecError as exc:  # e.g. the chat no longer fits the context: the turn will say so
+            self.post_message(self.Notice(f"could not preload the chat: {exc}"))
+        except Exception as exc:
+            self.post_message(self.Notice(f"could not preload the chat: {type(exc).__name__}: {exc}"))
+
+    def on_localspec_app_warmed(self, msg: Warmed) -> None:
+        if msg.chat_id == self.chat_id:
+            self.warmed_tokens = msg.tokens
 
     # ------------------------------------------------------------------ actions
     def action_stop(self) -> None:
@@ -413,6 +587,8 @@ class LocalspecApp(App):
 
     def on_unmount(self) -> None:
         self._cancel.set()
+        if self.writer is not None:  # quit during an answer: what came so far is kept, marked stopped
+            self.finish_stored_answer(self.writer.text, "stopped")
 
     # ------------------------------------------------------------------ saving
     def transcript_data(self) -> dict:
@@ -446,6 +622,12 @@ class LocalspecApp(App):
             write()
 
 
+def _stats_record(st) -> dict:
+    """What the history keeps about an answer's speed."""
+    return {"tokens": st.completion_tokens, "tokens_per_second": st.rate(), "method": st.method,
+            "drafted": st.drafted, "accepted": st.accepted, "cached_prompt_tokens": st.cached_prompt_tokens}
+
+
 def _display_name(model: str) -> str:
     """A pair name as is; a path as its file name."""
     from ..registry import looks_like_path
@@ -453,11 +635,13 @@ def _display_name(model: str) -> str:
     return Path(model).name if looks_like_path(model) else model
 
 
-def create_app(session, *, show_timings: bool = True, engine_loader=None) -> LocalspecApp:
+def create_app(session, *, show_timings: bool = True, engine_loader=None, store=None,
+               resume: int | None = None) -> LocalspecApp:
     """The one app factory, used by `localspec chat` and by the tests. `session`: a session.Session, or a dict of
-    settings given as flags."""
+    settings given as flags. `store`: a history.History to store the chat in (None: nothing is stored);
+    `resume`: a stored chat to reopen."""
     from ..session import Session
 
     if not isinstance(session, Session):
         session = Session(dict(session), quiet=True)
-    return LocalspecApp(session, show_timings=show_timings, engine_loader=engine_loader)
+    return LocalspecApp(session, show_timings=show_timings, engine_loader=engine_loader, store=store, resume=resume)
