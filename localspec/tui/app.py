@@ -10,7 +10,7 @@ from pathlib import Path
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.command import Hit, Hits, Provider
+from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal, Vertical
 from textual.message import Message
 from textual.screen import ModalScreen
@@ -20,20 +20,32 @@ from ..cachefile import atomic_write
 from ..errors import LocalspecError, UsageError
 from .widgets.header_bar import HeaderBar
 from .widgets.prompt_box import PromptBox
-from .widgets.stats_panel import StatsPanel
+from .widgets.stats_panel import StatsPanel, rate_text
 from .widgets.transcript import Transcript
+from .widgets.welcome import Welcome
 
-HELP = """commands:
-  /method auto|draft|lookup|none   how to speculate
-  /k N                             draft tokens per step (auto: the most)
-  /temp F                          temperature (0 = greedy)
-  /system TEXT                     system prompt (empty: none)
-  /clear                           new conversation
-  /save PATH                       transcript as .md or .json (asks before overwriting)
-  /model NAME|PATH                 switch pair
-  /compare                         rerun the last prompt with plain decoding, show the speedup
-  /help                            this text
-keys: Enter send · Shift+Enter / Ctrl+J newline · Up history · Esc / Ctrl+C stop · F2 draft colours · Ctrl+Q quit"""
+# every slash command: (command, argument, what it does); /help, the command palette and the README list these
+SLASH = [
+    ("/help", "", "list the commands and keys"),
+    ("/method", "auto|draft|lookup|none", "how to speculate"),
+    ("/k", "N", "draft tokens per step (auto: the most it may use)"),
+    ("/temp", "F", "temperature (0 = greedy: the same answer every time)"),
+    ("/system", "TEXT", "system prompt (empty: none)"),
+    ("/new", "", "start a new chat (also /clear)"),
+    ("/history", "", "list stored chats"),
+    ("/load", "ID", "switch to a stored chat"),
+    ("/rename", "TITLE", "rename this chat"),
+    ("/delete", "", "delete this chat from the history (asks)"),
+    ("/save", "PATH", "write this chat as .md or .json (asks before overwriting)"),
+    ("/model", "NAME|PATH", "switch to another pair or model"),
+    ("/compare", "", "rerun the last prompt with plain decoding: speed (and output at temperature 0) compared"),
+    ("/quit", "", "quit (also /exit, /bye)"),
+]
+QUIT_COMMANDS = ("/quit", "/exit", "/bye")
+KEYS_HELP = ("keys: Enter send · Shift+Enter / Ctrl+J new line · Up earlier prompts · Esc / Ctrl+C stop · "
+             "F2 colours in finished answers · F3 details · F4 stats panel · Ctrl+P commands · Ctrl+Q quit")
+HELP = "commands:\n" + "\n".join(f"  {(c + ' ' + a).strip():<32} {h}" for c, a, h in SLASH) + "\n" + KEYS_HELP
+PANEL_MIN_WIDTH = 100  # below this many columns the stats panel hides itself (F4 shows it)
 
 
 class ConfirmScreen(ModalScreen[bool]):
@@ -72,13 +84,25 @@ class ConfirmScreen(ModalScreen[bool]):
 
 
 class SlashCommands(Provider):
+    """The app's own commands in the command palette: one that takes an argument is put in the prompt box to be
+    completed; one that does not runs at once."""
+
+    def _action(self, cmd: str, arg: str):
+        if arg:
+            return lambda: self.app.prefill(cmd + " ")
+        return lambda: self.app.run_command_text(cmd)
+
+    async def discover(self) -> Hits:
+        for cmd, arg, help_text in SLASH:
+            yield DiscoveryHit(f"{cmd} {arg}".strip(), self._action(cmd, arg), help=help_text)
+
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
-        for line in HELP.splitlines()[1:10]:
-            cmd = line.split()[0]
-            score = matcher.match(cmd)
+        for cmd, arg, help_text in SLASH:
+            label = f"{cmd} {arg}".strip()
+            score = max(matcher.match(label), matcher.match(help_text) * 0.5)
             if score > 0:
-                yield Hit(score, matcher.highlight(cmd), lambda c=cmd: self.app.prefill(c + " "), help=line.strip())
+                yield Hit(score, matcher.highlight(label), self._action(cmd, arg), help=help_text)
 
 
 class LocalspecApp(App):
@@ -88,7 +112,9 @@ class LocalspecApp(App):
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+c", "stop", "Stop", priority=True, show=False),
-        Binding("f2", "toggle_colors", "Draft colours"),
+        Binding("f2", "toggle_colors", "Colours"),
+        Binding("f3", "toggle_details", "Details"),
+        Binding("f4", "toggle_panel", "Panel"),
         Binding("ctrl+q", "request_quit", "Quit", priority=True),
     ]
 
@@ -108,8 +134,8 @@ class LocalspecApp(App):
             super().__init__()
 
     class Done(Message):
-        def __init__(self, view, result, compare_with=None) -> None:
-            self.view, self.result, self.compare_with = view, result, compare_with
+        def __init__(self, view, result, compare_with=None, cfg=None) -> None:
+            self.view, self.result, self.compare_with, self.cfg = view, result, compare_with, cfg
             super().__init__()
 
     class Failed(Message):
@@ -136,7 +162,8 @@ class LocalspecApp(App):
         self.pair_name = _display_name(str(self.s.get("model")))
         self.messages: list[dict] = []  # the conversation as the chat template sees it (+ "state" for answers)
         self.generating = False
-        self.show_colors = True
+        self.show_colors = False  # finished answers: Markdown; True: keep the draft colours (F2)
+        self.panel_choice: bool | None = None  # the stats panel: None = shown from PANEL_MIN_WIDTH columns (F4)
         self._cancel = threading.Event()
         self._engine_lock = threading.Lock()  # one user of the engine at a time: generation, cache warm-up, swap
         self._last_ui = 0.0
@@ -154,7 +181,8 @@ class LocalspecApp(App):
         yield HeaderBar(id="header")
         with Horizontal(id="main"):
             with Vertical(id="left"):
-                yield Transcript(id="transcript")
+                with Transcript(id="transcript"):
+                    yield Welcome(id="welcome")
                 yield LoadingIndicator(id="loading")
                 yield PromptBox(id="prompt")
             yield StatsPanel(show_timings=self.show_timings, id="stats")
@@ -167,6 +195,8 @@ class LocalspecApp(App):
 
     def on_mount(self) -> None:
         self.refresh_header()
+        self.query_one(Welcome).show(self.pair_name)
+        self.apply_panel()
         self.query_one(PromptBox).focus()
         self.set_interval(0.5, self.tick)  # live figures even between tokens
         if self._resume is not None:
@@ -175,8 +205,16 @@ class LocalspecApp(App):
         self.load_models(self.s["model"])
 
     def tick(self) -> None:
+        """Twice a second while an answer streams: live figures and a sparkline point, even between tokens."""
         if self.generating and self.engine is not None and self.engine.last_stats is not None:
             self.query_one(StatsPanel).update_stats(self.engine.last_stats)
+
+    def on_resize(self, event) -> None:
+        self.apply_panel()
+
+    def apply_panel(self) -> None:
+        shown = self.panel_choice if self.panel_choice is not None else self.size.width >= PANEL_MIN_WIDTH
+        self.query_one(StatsPanel).display = shown
 
     def refresh_header(self) -> None:
         backend = "CPU"
@@ -222,6 +260,8 @@ class LocalspecApp(App):
         if self.engine.draft is not None:
             mem[self.engine.draft.name] = self.engine.draft.memory_bytes()
         self.query_one(StatsPanel).set_memory(mem)
+        self.query_one(Welcome).show(self.pair_name, self.engine.target.name,
+                                     self.engine.draft.name if self.engine.draft is not None else None, loading=False)
         if self.engine.dropped_draft:
             self.notify(f"{self.engine.dropped_draft}; using prompt lookup", severity="warning")
         self.refresh_header()
@@ -237,17 +277,20 @@ class LocalspecApp(App):
     # ------------------------------------------------------------------ prompts and commands
     def prefill(self, text: str) -> None:
         box = self.query_one(PromptBox)
-        box.load_text(text)
+        box.recall(text)
         box.focus()
+
+    def run_command_text(self, text: str) -> None:
+        try:
+            self.run_slash(text)
+        except UsageError as exc:
+            self.notify(str(exc), severity="error")
 
     @on(PromptBox.Submitted)
     def submitted(self, event: PromptBox.Submitted) -> None:
         text = event.text
         if text.startswith("/"):
-            try:
-                self.run_slash(text)
-            except UsageError as exc:
-                self.notify(str(exc), severity="error")
+            self.run_command_text(text)
             return
         if self.engine is None:
             self.notify("the model is still loading (or failed to load)", severity="warning")
@@ -269,6 +312,9 @@ class LocalspecApp(App):
         arg = arg.strip()
         if cmd == "/help":
             self.query_one(Transcript).add("help", HELP)
+        elif cmd in QUIT_COMMANDS:
+            self.action_request_quit()
+            return
         elif cmd == "/method":
             from ..engine import METHODS
 
@@ -359,7 +405,7 @@ class LocalspecApp(App):
                 with generation_slot(waiting=lambda m: self.post_message(self.Notice(m))):
                     for ev in engine.generate(tokens, cfg, cancel=self._cancel):
                         if isinstance(ev, Finished):
-                            self.post_message(self.Done(view, ev, compare_with))
+                            self.post_message(self.Done(view, ev, compare_with, cfg))
                         else:
                             self.post_message(self.Token(view, ev.text, ev.drafted, engine.last_stats))
         except LocalspecError as exc:
@@ -378,29 +424,24 @@ class LocalspecApp(App):
         if now - self._last_ui > 0.1:
             self._last_ui = now
             msg.view.flush()
-            self.query_one(StatsPanel).update_stats(msg.stats)
+            self.query_one(StatsPanel).update_stats(msg.stats, sample=False)  # the sparkline samples in tick()
             self.query_one(Transcript).scroll_end(animate=False)
 
     def on_localspec_app_done(self, msg: Done) -> None:
         self.generating = False
         fin = msg.result
         st = fin.stats
-        note = (f"{st.completion_tokens} tokens · {st.tokens_per_second:.1f} tok/s · accepted {st.acceptance_rate:.0%}"
-                if self.show_timings else f"{st.completion_tokens} tokens · accepted {st.acceptance_rate:.0%}")
+        note = answer_note(st, self.show_timings)
         if fin.finish_reason == "cancelled":
             note = "stopped · " + note
         if msg.compare_with is not None:
-            base = msg.compare_with
-            ratio = base.stats.tokens_per_second / st.tokens_per_second if st.tokens_per_second else 0.0
-            same = "identical" if fin.tokens == base.tokens else "different"
-            note = (f"compare: plain {st.tokens_per_second:.1f} tok/s vs {base.stats.method} "
-                    f"{base.stats.tokens_per_second:.1f} tok/s → speedup {ratio:.2f}x · output {same}")
-            if not self.show_timings:
-                note = f"compare: output {same}"
+            base, base_cfg = msg.compare_with
+            temps = [c.sampling.temperature for c in (base_cfg, msg.cfg) if c is not None]
+            note = compare_note(fin, base, max(temps, default=0.0), self.show_timings)
         else:
             state = "stopped" if fin.finish_reason == "cancelled" else "done"
             self.messages.append({"role": "assistant", "content": fin.text, "state": state})
-            self.last_result = fin
+            self.last_result = (fin, msg.cfg)
             self.finish_stored_answer(fin.text, state, _stats_record(st))
         msg.view.finish(note)
         self.query_one(StatsPanel).update_stats(st)
@@ -463,7 +504,8 @@ class LocalspecApp(App):
         transcript = self.query_one(Transcript)
         transcript.clear_all()
         for m in self.messages:
-            view = transcript.add(m["role"], m["content"] if m["role"] != "assistant" else "")
+            view = transcript.add(m["role"], m["content"] if m["role"] != "assistant" else "",
+                                  show_colors=self.show_colors)
             if m["role"] == "assistant":
                 view.append(m["content"], False)
                 mark = {"stopped": "stopped · ", "interrupted": "interrupted · ", "streaming": "interrupted · "}
@@ -554,6 +596,17 @@ class LocalspecApp(App):
         if self.generating:
             self._cancel.set()
 
+    def action_toggle_details(self) -> None:
+        panel = self.query_one(StatsPanel)
+        panel.set_expert(not panel.expert)
+        if panel.expert and not panel.display:
+            self.panel_choice = True
+            self.apply_panel()
+
+    def action_toggle_panel(self) -> None:
+        self.panel_choice = not self.query_one(StatsPanel).display
+        self.apply_panel()
+
     def action_toggle_colors(self) -> None:
         self.show_colors = not self.show_colors
         for m in self.query_one(Transcript).messages():
@@ -620,6 +673,39 @@ class LocalspecApp(App):
             self.ask(f"{path} exists. Overwrite it?", write)
         else:
             write()
+
+
+def answer_note(st, show_timings: bool = True) -> str:
+    """The line under an answer, in plain words; a rate over too small a sample is a dash."""
+    parts = [f"{st.completion_tokens} tokens"]
+    if show_timings:
+        parts.append(f"{rate_text(st.rate())} tokens/s")
+    parts.append(f"{st.acceptance_rate:.0%} of drafts accepted" if st.drafted else "nothing drafted")
+    return " · ".join(parts)
+
+
+def drafter_used(st) -> str:
+    """The drafter that produced most of an answer's steps ("none" when it never drafted)."""
+    used = {m: n for m, n in st.method_used.items() if m != "none"}
+    return max(used, key=used.get) if used else "none"
+
+
+def compare_note(plain, base, temperature: float, show_timings: bool = True) -> str:
+    """/compare's verdict: `plain` is the rerun with plain decoding, `base` the answer it is compared with. A
+    speed-up is reported only when `base` speculated; above temperature 0 the outputs are not compared."""
+    p, b = plain.stats.rate(), base.stats.rate()
+    if base.stats.drafted == 0:
+        return ("compare: the earlier answer did not speculate (nothing was drafted), so there is no speed-up to "
+                "measure" + (f" · plain decoding: {rate_text(p)} tokens/s" if show_timings else ""))
+    speeds = f"plain {rate_text(p)} tokens/s vs {drafter_used(base.stats)} {rate_text(b)} tokens/s"
+    ratio = f" → {b / p:.2f}x" if (p and b) else " → speed-up — (too short to measure)"
+    if temperature > 0:
+        head = f"compare: at temperature {temperature:g} the outputs differ by sampling, so only the speed is compared"
+        return head + (f" · {speeds}{ratio}" if show_timings else "")
+    same = "identical" if plain.tokens == base.tokens else "different"
+    if not show_timings:
+        return f"compare: output {same}"
+    return f"compare: {speeds}{ratio} · output {same}"
 
 
 def _stats_record(st) -> dict:
