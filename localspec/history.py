@@ -224,9 +224,12 @@ class History:
         return [c for c in self.chats() if c.id in ids]
 
     def mark_interrupted(self, chat_id: int) -> None:
-        """The user was told about this crashed answer: it is not offered again."""
-        self._write("UPDATE messages SET state = 'interrupted' WHERE chat_id = ? AND state = 'streaming' "
-                    "AND (pid IS NULL OR pid != ?)", (chat_id, os.getpid()))
+        """The user was told about this chat's crashed answers: they are not offered again. An answer another
+        live process is still writing is left alone."""
+        rows = self._read("SELECT id, pid FROM messages WHERE chat_id = ? AND state = 'streaming'", (chat_id,))
+        for r in rows:
+            if not _pid_alive(r["pid"]):
+                self._write("UPDATE messages SET state = 'interrupted' WHERE id = ? AND state = 'streaming'", (r["id"],))
 
     # ------------------------------------------------------------ messages
     def add_message(self, chat_id: int, role: str, content: str, state: str = "done") -> int:

@@ -183,8 +183,20 @@ def test_a_crash_loses_at_most_the_last_moments_and_the_chat_is_offered_again():
 
 def test_an_answer_streaming_in_a_live_process_is_not_called_interrupted():
     store = History()
-    store.answer(store.new_chat("mine"))  # this process is alive
-    assert store.interrupted() == []
+    cid = store.new_chat("mine")
+    w = store.answer(cid)  # this process is alive
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        other = store.answer(cid)  # and one being written by another live process (a second chat window)
+        store._write("UPDATE messages SET pid = ? WHERE id = ?", (sleeper.pid, other.message_id))
+        assert store.interrupted() == []
+        store.mark_interrupted(cid)  # e.g. the other window reopened this chat with --continue
+        states = peek(store.path, "SELECT state FROM messages WHERE chat_id = ?", (cid,))
+        assert states == [("streaming",), ("streaming",)]
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert [c.id for c in store.interrupted()] == [cid]  # its writer is gone now
 
 
 def test_history_setting_is_a_bool_from_file_env_or_flag(tmp_path, monkeypatch):
@@ -299,3 +311,38 @@ def test_chat_continue_and_resume_errors(stored):
 
 def test_chat_continue_with_nothing_stored(data_dir):
     assert "no stored chat" in one_error_line(cli(["chat", "--continue"]), 2)
+
+
+def test_chat_passes_runtime_flags_and_the_store_to_the_app(monkeypatch, stored):
+    """`chat` takes run's runtime flags; with a terminal it opens the app on the session, the history and the
+    chat to resume (the app itself is not run here)."""
+    import localspec.tui.app as tui
+    from localspec import cli as C
+
+    a, b = stored
+    seen = {}
+
+    class FakeApp:
+        def run(self):
+            seen["ran"] = True
+
+    def fake_create_app(sess, store=None, resume=None):
+        seen.update(values=sess.values(), store=store, resume=resume)
+        return FakeApp()
+
+    monkeypatch.setattr(tui, "create_app", fake_create_app)
+    monkeypatch.setattr(sys.stdin, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+    with pytest.raises(SystemExit) as e:
+        C.main(["chat", "--threads", "1", "--gpu-layers", "3", "--draft-gpu-layers", "2", "--continue"])
+    assert e.value.code == 0 and seen["ran"]
+    v = seen["values"]
+    assert (v["threads"], v["gpu_layers"], v["draft_gpu_layers"]) == (1, 3, 2)
+    assert seen["resume"] == b and isinstance(seen["store"], History)
+    with pytest.raises(SystemExit):
+        C.main(["chat", "--no-history"])
+    assert seen["store"] is None and seen["resume"] is None and seen["values"]["history"] is False
+    monkeypatch.setenv("LOCALSPEC_HISTORY", "false")
+    with pytest.raises(SystemExit) as e:
+        C.main(["chat", "--resume", str(a)])
+    assert e.value.code == 2
