@@ -99,7 +99,7 @@ DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 _ggml_ready = False
 
 
-def _ggml():
+def _ggml_lib():
     global _ggml_ready
     ll = _require()
     _init_backend()
@@ -130,14 +130,14 @@ def _text(b: bytes | None) -> str:
 
 def compiled_backends() -> list[str]:
     """The ggml backends this build registered (e.g. CPU, CUDA, Metal, RPC)."""
-    lib = _ggml()
+    lib = _ggml_lib()
     return [_text(lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i))) for i in range(lib.ggml_backend_reg_count())]
 
 
 def devices() -> list[dict]:
     """Every device llama.cpp can run on: name, description, type (cpu | gpu | igpu | accel), backend, free and
     total memory in bytes."""
-    lib = _ggml()
+    lib = _ggml_lib()
     out = []
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)

@@ -758,17 +758,47 @@ def chat(
     draft_tokens: KOpt = None,
     temperature: TempOpt = None,
     system: SystemOpt = None,
-    max_tokens: Annotated[Optional[int], typer.Option("-n", "--max-tokens", show_default=False)] = None,
-    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+    max_tokens: MaxTokOpt = None,
+    exactness: ExactnessOpt = None,
+    ctx_size: CtxOpt = None,
+    gpu_layers: GpuOpt = None,
+    draft_gpu_layers: DraftGpuOpt = None,
+    threads: ThreadsOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    cont: Annotated[bool, typer.Option("--continue", help="Reopen the most recent stored chat.")] = False,
+    resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen stored chat ID (`localspec history list`).", show_default=False)] = None,
+    no_history: Annotated[bool, typer.Option("--no-history", help="Store nothing (or set history = false in the config).")] = False,
 ):
-    """Chat in the terminal, with live speculation statistics."""
+    """Chat in the terminal, with live speculation statistics. Chats are stored as they happen (`localspec history`)."""
+    from .history import History
     from .session import Session
     from .tui.app import create_app
 
     sess = Session(flags(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
-                         system=system, max_tokens=max_tokens, ctx_size=ctx_size), quiet=True)
+                         system=system, max_tokens=max_tokens, ctx_size=ctx_size, gpu_layers=gpu_layers,
+                         draft_gpu_layers=draft_gpu_layers, threads=threads, history=False if no_history else None,
+                         exactness=exactness, rpc=rpc, tensor_split=tensor_split),
+                   quiet=True)
     sess.check()
-    create_app(sess).run()
+    if cont and resume is not None:
+        raise UsageError("--continue reopens the latest chat and --resume ID a given one: use one of them")
+    if (cont or resume is not None) and not sess["history"]:
+        raise UsageError("--continue and --resume read the history, which is off (--no-history or history = false)")
+    chat_id = None
+    if cont or resume is not None:
+        store = _history(create=False)
+        chat_id = store.latest() if cont else store.get(resume).id
+        if chat_id is None:
+            raise UsageError("no stored chat to continue yet")
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise UsageError("chat needs a terminal (stdin and stdout); for pipes and scripts use `localspec run`")
+    store = History() if sess["history"] else None
+    try:
+        create_app(sess, store=store, resume=chat_id).run()
+    finally:
+        if store is not None:
+            store.close()
 
 
 @app.command()
@@ -960,8 +990,109 @@ def worker(
         os._exit(130)  # llama.cpp's server thread is blocked in accept(): no interpreter teardown under it
 
 
+# ----------------------------------------------------------------- history
+history_app = typer.Typer(help="Stored chats: list, show, export and delete them.", no_args_is_help=True)
+app.add_typer(history_app, name="history")
+
+ChatIdArg = Annotated[int, typer.Argument(help="Chat number (`localspec history list`).", show_default=False)]
+
+
+def _history(create: bool = False):
+    """The history database; without `create`, an absent one reads as empty (nothing is written)."""
+    from .history import History, db_path
+
+    if not create and not db_path().exists():
+        return History(":memory:")
+    return History()
+
+
+def _ask(question: str, what: str) -> bool:
+    """Yes/no on a terminal, No by default; without a terminal there is nobody to ask: refuse."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        raise UsageError(f"{question} (no terminal to ask on: {what})")
+    return typer.confirm(question, default=False, err=True)
+
+
+@history_app.command("list")
+def history_list(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    limit: Annotated[Optional[int], typer.Option("-n", "--limit", help="At most N chats (newest first).", show_default=False)] = None,
+):
+    """Stored chats, newest first."""
+    store = _history()
+    chats = store.chats(limit=limit)
+    if as_json:
+        typer.echo(json.dumps([{k: v for k, v in c.to_dict().items() if k != "messages"} | {"messages": c.n_messages}
+                               for c in chats], indent=1, ensure_ascii=False))
+        return
+    if not chats:
+        sys.stderr.write("no stored chats yet (`localspec chat` stores them as they happen)\n")
+        return
+    from rich.markup import escape
+
+    from .output import print_table
+
+    rows = [[str(c.id), time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated)), str(c.n_messages),
+             escape(c.title), escape(c.model or "-")] for c in chats]
+    print_table(["id", "updated", "messages", "title", "model"], rows, right=["id", "messages"])
+
+
+@history_app.command("show")
+def history_show(chat_id: ChatIdArg):
+    """Print a stored chat as Markdown."""
+    from .chatexport import to_markdown
+
+    c = _history().get(chat_id)
+    typer.echo(to_markdown(c.title, c.messages, c.model), nl=False)
+
+
+@history_app.command("export")
+def history_export(
+    chat_id: ChatIdArg,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="md or json.")] = "md",
+    out: Annotated[Optional[Path], typer.Option("-o", "--output", help="Write to FILE (asks before overwriting); default: stdout.", show_default=False)] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite FILE without asking.")] = False,
+):
+    """Export a stored chat as Markdown or JSON."""
+    from .cachefile import atomic_write
+    from .chatexport import to_json, to_markdown
+
+    if fmt not in ("md", "json"):
+        raise UsageError(f"--format takes md or json, got {fmt!r}")
+    c = _history().get(chat_id)
+    text = to_json(c.to_dict()) if fmt == "json" else to_markdown(c.title, c.messages, c.model)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory")
+    if out.exists() and not force and not _ask(f"{out} exists. Overwrite it?", "add --force to overwrite"):
+        sys.stderr.write(f"{out} not overwritten\n")
+        raise typer.Exit(1)
+    try:
+        atomic_write(out, text)
+    except OSError as exc:
+        raise UsageError(f"cannot write {out}: {exc.strerror or exc}") from None
+    sys.stderr.write(f"wrote {out}\n")
+
+
+@history_app.command("rm")
+def history_rm(
+    chat_id: ChatIdArg,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+):
+    """Delete a stored chat (asks first)."""
+    store = _history()
+    c = store.get(chat_id)
+    if not yes and not _ask(f"Delete chat {c.id} “{c.title}” ({c.n_messages} messages)?", "add --yes to delete"):
+        sys.stderr.write(f"chat {c.id} kept\n")
+        raise typer.Exit(1)
+    store.delete(c.id)
+    sys.stderr.write(f"deleted chat {c.id}\n")
+
+
 # ----------------------------------------------------------------- entry point
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker", "history"}
 
 
 INTERRUPT_EXIT = 130  # 128 + the signal that stopped us (SIGINT 130, SIGHUP 129, SIGTERM 143)

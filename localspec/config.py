@@ -42,7 +42,11 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "rpc": (str, None, "llama.cpp RPC workers HOST:PORT[,HOST:PORT...] that hold the target's layers (draft stays local)"),
     "tensor_split": (str, None, "share of the target's layers per device with rpc, e.g. 3,1 (default: by free memory)"),
     "system": (str, None, "system prompt"),
+    "history": (bool, True, "store chats in the history (`localspec history`); false: nothing is stored"),
 }
+
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def config_dir() -> Path:
@@ -73,6 +77,13 @@ def coerce(key: str, value: Any, source: str) -> Any:
     if value is None:
         return None
     try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            word = str(value).strip().lower()
+            if word in TRUE_WORDS or word in FALSE_WORDS:
+                return word in TRUE_WORDS
+            raise ValueError(word)
         if typ is float:
             v = float(value)
             if math.isnan(v):
@@ -84,7 +95,8 @@ def coerce(key: str, value: Any, source: str) -> Any:
             return int(value)
         return str(value)
     except (TypeError, ValueError):
-        raise UsageError(f"{source}: {key} must be a {typ.__name__}, got {value!r}") from None
+        kind = "true or false" if typ is bool else f"a {typ.__name__}"
+        raise UsageError(f"{source}: {key} must be {kind}, got {value!r}") from None
 
 
 @dataclass

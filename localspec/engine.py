@@ -207,6 +207,18 @@ class Engine:
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
         return self.target.tokenize(text, add_special=True, parse_special=True)
 
+    def prefill(self, prompt_tokens: Sequence[int]) -> int:
+        """Decode a prompt into the KV caches ahead of its turn (a reopened chat): the next generation whose prompt
+        starts with it decodes only the rest. Returns the tokens decoded now."""
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt or len(prompt) >= self.target.n_ctx:
+            return 0
+        self.target.sync(prompt)
+        decoded = len(prompt) - self.target.reused
+        if self.draft is not None and len(prompt) < self.draft.n_ctx:
+            self.draft.sync(prompt)
+        return decoded
+
     def raw_prompt(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)
 

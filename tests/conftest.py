@@ -16,10 +16,12 @@ REAL_MODELS = Path(os.environ.get("LOCALSPEC_TEST_MODELS", Path.home() / ".cache
 
 
 def pytest_configure(config):
-    # keep the tests' caches (exact-batch probes, downloads) out of the user's cache dir
+    # keep the tests' caches (exact-batch probes, downloads) out of the user's cache dir ...
     import tempfile
 
     os.environ.setdefault("LOCALSPEC_CACHE_DIR", tempfile.mkdtemp(prefix="localspec-test-cache-"))
+    # and the chat history out of the user's data dir
+    os.environ.setdefault("LOCALSPEC_DATA_DIR", tempfile.mkdtemp(prefix="localspec-test-data-"))
 
 
 @pytest.fixture(scope="session")

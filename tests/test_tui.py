@@ -71,13 +71,16 @@ def test_chat_roundtrip_matches_engine(target_path):
             assert any(d for _, d in view.spans)  # accepted draft tokens are marked for colouring
             stats = app.query_one(StatsPanel).last
             assert stats.completion_tokens == 40 and stats.acceptance_rate == 1.0
-            assert "tok/s" in view.note
+            assert "tokens/s" in view.note and "100% of drafts accepted" in view.note
+            # a finished answer is shown as Markdown; the streaming view (with the draft colours) is hidden
+            assert view.query_one(".final").display and not view.query_one(".stream").display
             # multi-turn: the second answer reuses the first turn's KV cache
             await answer(pilot, "and the dog")
             assert app.engine.last_stats.cached_prompt_tokens > 0
             assert [m["role"] for m in app.messages] == ["user", "assistant", "user", "assistant"]
-            await pilot.press("f2")
-            assert app.show_colors is False
+            await pilot.press("f2")  # keep the draft colours in finished answers
+            assert app.show_colors is True
+            assert view.query_one(".stream").display and not view.query_one(".final").display
 
     asyncio.run(go())
 
@@ -100,7 +103,7 @@ def test_cancel_keeps_answer_and_chat_goes_on(long_model):
             view = app.query(MessageView).last()
             assert view.note.startswith("stopped") and view.text
             assert app.engine.last_stats.completion_tokens < 60000
-            app.s["max_tokens"] = 5
+            app.session.set("max_tokens", 5)
             view2 = await answer(pilot, "again")
             assert view2.finished and not view2.note.startswith("stopped")
 
@@ -157,6 +160,163 @@ def test_save_never_overwrites_without_asking(target_path, tmp_path):
     asyncio.run(go())
 
 
+def test_overwrite_dialog_defaults_to_no_esc_cancels_and_typing_is_kept(tmp_path):
+    """The data-loss bug: "Overwrite it?" had Yes focused and ignored Esc, so the next prompt typed plus Enter
+    overwrote the file and the typed text was lost."""
+    from localspec.tui.app import ConfirmScreen
+
+    app = create_app(settings(tmp_path / "missing.gguf"))  # /save needs no model
+    md = tmp_path / "notes.md"
+    md.write_text("my notes")
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, f"/save {md}")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            assert app.screen.focused is not None and app.screen.focused.id == "no"
+            await pilot.press("h", "i", "enter")  # the user goes on typing their next prompt
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            await pilot.pause(0.1)
+            assert md.read_text() == "my notes"
+            assert box.text == "hi"  # what was typed is in the prompt box, not sent, not lost
+            box.clear()
+            await send(pilot, f"/save {md}")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            await pilot.pause(0.1)
+            assert md.read_text() == "my notes"
+
+    asyncio.run(go())
+
+
+def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
+    from localspec.chatexport import open_fence
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+    md = tmp_path / "chat.md"
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            # what a stopped answer leaves: a code block that never got its closing fence
+            app.messages[:] = [{"role": "user", "content": "write hello world"},
+                               {"role": "assistant", "content": "Here:\n\n```python\nprint('hel", "state": "stopped"},
+                               {"role": "user", "content": "thanks"}]
+            await send(pilot, f"/save {md}")
+            await until(pilot, md.exists)
+            text = md.read_text()
+            assert open_fence(text) is None, text
+            assert text.index("print('hel") < text.rindex("```") < text.index("## user", text.index("print"))
+
+    asyncio.run(go())
+
+
+def test_chat_is_stored_as_it_happens_and_history_commands(target_path, tmp_path):
+    from localspec.history import History
+    from localspec.tui.app import ConfirmScreen
+    from localspec.errors import UsageError
+
+    store = History(tmp_path / "h.sqlite3")
+    app = create_app(settings(target_path, target_path, max_tokens=8), store=store)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            view = await answer(pilot, "the cat")
+            first = app.chat_id
+            c = store.get(first)
+            assert [(m["role"], m["state"]) for m in c.messages] == [("user", "done"), ("assistant", "done")]
+            assert c.messages[1]["content"] == view.text and c.title == "the cat"
+            assert c.messages[1]["stats"]["tokens"] == 8
+            await send(pilot, "/rename cats and dogs")
+            assert store.get(first).title == "cats and dogs"
+            await send(pilot, "/new")
+            assert app.chat_id is None and app.messages == [] and not app.query(MessageView)
+            await answer(pilot, "the dog")
+            second = app.chat_id
+            assert second != first
+            await send(pilot, "/history")
+            listing = [m for m in app.query(MessageView) if m.role == "history"][-1].text
+            assert "cats and dogs" in listing and f"*{second:>4}" in listing
+            await send(pilot, f"/load {first}")
+            assert app.chat_id == first and [m["content"] for m in app.messages][0] == "the cat"
+            assert [m.role for m in app.query(MessageView)] == ["user", "assistant"]
+            await until(pilot, lambda: app.warmed_tokens is not None)
+            await send(pilot, "/delete")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("enter")  # No is the default
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            assert store.get(first).id == first and app.chat_id == first
+            await send(pilot, "/delete")
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.click("#yes")
+            await until(pilot, lambda: app.chat_id is None)
+            with pytest.raises(UsageError):
+                store.get(first)
+            assert [c.id for c in store.chats()] == [second]
+
+    asyncio.run(go())
+
+
+def test_resumed_chat_reuses_the_kv_cache_on_its_first_turn(target_path, tmp_path):
+    from localspec.history import History
+    from localspec.seq import common_prefix
+
+    store = History(tmp_path / "h.sqlite3")
+    cid = store.new_chat("the cat")
+    store.add_message(cid, "user", "the cat")
+    store.answer(cid).finish("the dog and the cat in the x", "done")
+    app = create_app(settings(target_path, None, method="lookup", max_tokens=6), store=store, resume=cid)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            assert [m.role for m in app.query(MessageView)] == ["user", "assistant"]  # shown before the model loads
+            await until(pilot, lambda: app.engine is not None and app.warmed_tokens is not None)
+            await answer(pilot, "and the dog")
+            old = [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "the dog and the cat in the x"}]
+            new = old + [{"role": "user", "content": "and the dog"}]
+            shared = common_prefix(app.engine.chat_prompt(old), app.engine.chat_prompt(new))
+            assert shared > 10
+            assert app.engine.last_stats.cached_prompt_tokens >= shared  # the first turn after resume reused it
+            c = store.get(cid)
+            assert [m["role"] for m in c.messages] == ["user", "assistant", "user", "assistant"]
+
+    asyncio.run(go())
+
+
+def test_an_interrupted_chat_is_offered_at_start(tmp_path):
+    import subprocess
+    import sys
+
+    from localspec import history as H
+
+    store = H.History(tmp_path / "h.sqlite3")
+    cid = store.new_chat("tell me a story")
+    store.add_message(cid, "user", "tell me a story")
+    w = store.answer(cid)
+    w.append("once upon")
+    w.flush()
+    H._unregister(w)
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True).stdout)
+    store._write("UPDATE messages SET pid = ? WHERE id = ?", (dead, w.message_id))  # as if its process had crashed
+    app = create_app(settings(tmp_path / "missing.gguf"), store=store)
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause(0.2)
+            notes = [n.message for n in app._notifications]
+            assert any("cut off" in n and "--continue" in n and f"/load {cid}" in n for n in notes), notes
+            assert store.interrupted() == []  # offered once
+            await send(pilot, f"/load {cid}")
+            view = app.query(MessageView).last()
+            assert view.text == "once upon" and view.note.startswith("interrupted")
+            await pilot.pause(0.2)
+            assert view.query_one(".final").source == "once upon" and view.query_one(".final").children
+
+    asyncio.run(go())
+
+
 def test_missing_model_shows_error_in_app(tmp_path):
     app = create_app(settings(tmp_path / "missing.gguf"))
 
@@ -175,7 +335,255 @@ def test_snapshot_main_screen(target_path, draft_path, snap_compare):
     app = create_app(settings(target_path, draft_path, max_tokens=24, method="draft", draft_tokens=2), show_timings=False)
 
     async def run_before(pilot):
+        app.query_one("#prompt").cursor_blink = False  # a blinking cursor would make the picture random
         await until(pilot, lambda: app.engine is not None)
         await answer(pilot, "the cat")
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+# ---------------------------------------------------------------- the chat window
+def lines_of(widget) -> list[str]:
+    from textual.geometry import Region
+
+    return [strip.text.rstrip() for strip in widget.render_lines(Region(0, 0, widget.size.width, widget.size.height))]
+
+
+def test_welcome_placeholder_and_plain_word_stats_with_details_behind_f3(target_path, draft_path):
+    app = create_app(settings(target_path, draft_path, max_tokens=12))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            welcome = "\n".join(lines_of(app.query_one("#welcome")))
+            assert "target.gguf" in welcome and "draft.gguf" in welcome and "green" in welcome
+            assert "Esc stop" in welcome and "Ctrl+P" in welcome
+            assert app.query_one("#prompt").placeholder
+            await answer(pilot, "the cat")
+            figures = "\n".join(lines_of(app.query_one("#figures")))
+            for words in ("drafts accepted", "tokens per step", "first token", "prompt reused"):
+                assert words in figures
+            expert = app.query_one("#expert")
+            assert not expert.display
+            await pilot.press("f3")
+            await pilot.pause(0.1)
+            assert expert.display
+            text = "\n".join(lines_of(expert))
+            assert "acceptance by draft position" in text and "verify time" in text and "k cap" in text
+            await pilot.press("f4")
+            assert not app.query_one("#stats").display
+            await pilot.press("f4")
+            assert app.query_one("#stats").display
+
+    asyncio.run(go())
+
+
+def test_stats_panel_hides_below_100_columns_and_f4_brings_it_back(tmp_path):
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=(90, 30)) as pilot:
+            await pilot.pause(0.1)
+            assert not app.query_one("#stats").display
+            await pilot.press("f4")
+            assert app.query_one("#stats").display
+            await pilot.resize_terminal(120, 30)
+            await pilot.pause(0.1)
+            assert app.query_one("#stats").display
+
+    asyncio.run(go())
+
+
+def test_model_names_and_sizes_never_break_mid_word(tmp_path):
+    app = create_app(settings(tmp_path / "missing.gguf"))
+    long = "qwen2.5-coder-1.5b-instruct-q4_k_m-with-a-very-long-suffix.gguf"
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.query_one(StatsPanel)
+            panel.set_memory({long: 1066 * 2**20, "small.gguf": 12345 * 2**20})
+            await pilot.pause(0.1)
+            lines = [l for l in lines_of(app.query_one("#memory")) if l.strip()]
+            assert lines[0] == "memory"
+            name = lines[1]
+            assert name == long or (name.endswith("…") and long.startswith(name[:-1]))
+            assert lines[2] == "\u00a0\u00a01,066\u00a0MiB" and lines[3] == "small.gguf"
+            assert lines[4] == "\u00a0\u00a012,345\u00a0MiB"
+            header = lines_of(app.query_one("#header"))
+            assert len(header) == 1
+
+    asyncio.run(go())
+
+
+def test_command_palette_lists_every_slash_command(tmp_path):
+    from textual.command import CommandPalette
+    from textual.widgets import OptionList
+
+    from localspec.tui.app import SLASH
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.press("ctrl+p")
+            await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+            await pilot.pause(0.5)
+            results = app.screen.query_one(OptionList)
+            shown = "\n".join(str(results.get_option_at_index(i).prompt) for i in range(results.option_count))
+            for cmd, arg, _ in SLASH:
+                assert f"{cmd} {arg}".strip() in shown, cmd
+            await pilot.press(*"/help", "enter")  # a command without an argument runs at once
+            await until(pilot, lambda: any(m.role == "help" for m in app.query(MessageView)))
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("word", ["/quit", "/exit", "/bye"])
+def test_quit_words(tmp_path, word):
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, word)
+            await pilot.pause(0.2)
+            assert not app.is_running
+
+    asyncio.run(go())
+
+
+def test_up_recall_puts_the_cursor_at_the_end(tmp_path):
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, "/k 3")
+            await send(pilot, "/temp 0.5")
+            await pilot.press("up")
+            assert box.text == "/temp 0.5" and box.cursor_location == (0, len("/temp 0.5"))
+            await pilot.press("up")
+            assert box.text == "/k 3" and box.cursor_location == (0, 4)
+            await pilot.press("x")  # typing goes on at the end
+            assert box.text == "/k 3x"
+
+    asyncio.run(go())
+
+
+def test_rates_over_one_token_show_a_dash(target_path):
+    app = create_app(settings(target_path, None, method="none", max_tokens=1))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            view = await answer(pilot, "the cat")
+            assert "— tokens/s" in view.note
+            assert "— tokens/s" in "\n".join(lines_of(app.query_one("#tps")))
+
+    asyncio.run(go())
+
+
+def test_compare_never_claims_a_speedup_without_speculation_and_not_outputs_when_sampling(target_path, draft_path):
+    app = create_app(settings(target_path, draft_path, method="draft", max_tokens=24))
+
+    async def compare(pilot):
+        await send(pilot, "/compare")
+        await until(pilot, lambda: app.query(MessageView).last().finished and not app.generating)
+        return app.query(MessageView).last().note
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            await answer(pilot, "the cat")
+            assert app.engine.last_stats.drafted > 0
+            note = await compare(pilot)
+            assert "output identical" in note and "plain" in note
+            await send(pilot, "/temp 0.8")
+            await answer(pilot, "the dog")
+            assert app.engine.last_stats.drafted > 0
+            note = await compare(pilot)
+            assert "differ by sampling" in note and "identical" not in note and "different" not in note
+            await send(pilot, "/temp 0")
+            await send(pilot, "/method none")
+            await answer(pilot, "a dog")
+            note = await compare(pilot)
+            assert "did not speculate" in note and "→" not in note and "speedup" not in note
+
+    asyncio.run(go())
+
+
+def test_sparkline_plots_the_recent_rate(tmp_path):
+    from localspec.stats import Stats
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.query_one(StatsPanel)
+            st = Stats(started=100.0, running=False, elapsed_s=10.0)
+            for i in range(40):  # 20 tokens/s over the last two seconds, slower before
+                st.token_emitted(now=100.0 + (i * 0.4 if i < 20 else 8.0 + (i - 20) * 0.1))
+            panel.update_stats(st)
+            panel.update_stats(st)
+            assert panel.rates == [st.recent_rate()] * 2 and abs(panel.rates[0] - 10.0) < 1e-9
+            assert panel.rates[0] != st.tokens_per_second
+
+    asyncio.run(go())
+
+
+class ScriptedEngine:
+    """An engine double that streams a fixed Markdown answer: the snapshot of a finished answer (headings, a list,
+    highlighted code) then does not depend on what tiny random models say. The app's real code path runs."""
+
+    ANSWER = ("Reverse a list in **Python** with slicing:\n\n"
+              "```python\ndef reverse(xs: list) -> list:\n    return xs[::-1]\n```\n\n"
+              "- `xs[::-1]` makes a copy\n- `xs.reverse()` works in place\n")
+
+    def __init__(self):
+        from types import SimpleNamespace
+
+        self.target = SimpleNamespace(name="scripted-target.gguf", n_gpu_layers=0, memory_bytes=lambda: 987 * 2**20)
+        self.draft = SimpleNamespace(name="scripted-draft.gguf", memory_bytes=lambda: 123 * 2**20)
+        self.dropped_draft = None
+        self.last_stats = None
+
+    def exact_k(self, k):
+        return k
+
+    def chat_prompt(self, messages):
+        return list(range(10 * len(messages)))
+
+    def prefill(self, tokens):
+        return len(tokens)
+
+    def generate(self, tokens, cfg, cancel=None):
+        from localspec.engine import Finished, Piece
+        from localspec.stats import Stats
+
+        st = self.last_stats = Stats(method="draft", prompt_tokens=len(tokens), k_cap=cfg.k)
+        words = self.ANSWER.split(" ")
+        for i, w in enumerate(words):
+            st.token_emitted(now=float(i))
+            if i % 3 == 0:
+                st.record_step(2, 1)
+                st.method_used["draft"] += 1
+                st.k_used[2] += 1
+            yield Piece(w if i == len(words) - 1 else w + " ", i, i % 3 == 1)
+        st.elapsed_s = 1.0
+        yield Finished(self.ANSWER, list(range(len(words))), "stop", st)
+
+    def close(self):
+        pass
+
+
+def test_snapshot_finished_answer_is_markdown_with_highlighted_code(tmp_path, snap_compare):
+    app = create_app(settings(tmp_path / "scripted.gguf", max_tokens=64, method="draft", draft_tokens=2),
+                     show_timings=False, engine_loader=lambda s: ScriptedEngine())
+
+    async def run_before(pilot):
+        app.query_one("#prompt").cursor_blink = False
+        await until(pilot, lambda: app.engine is not None)
+        view = await answer(pilot, "how do I reverse a list?")
+        assert view.query_one(".final").display  # the Markdown view, not the streaming text
+        await pilot.pause(0.5)  # let the Markdown widget lay out its blocks
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -1,4 +1,4 @@
-"""One line at the top: pair, method, k and backend."""
+"""One line at the top: pair, method, k, temperature and backend (cut with an ellipsis, never wrapped)."""
 
 from __future__ import annotations
 
@@ -9,5 +9,5 @@ class HeaderBar(Static):
     def show(self, pair: str, method: str, k: int, temperature: float, backend: str, colors: bool) -> None:
         self.update(
             f" localspec │ {pair} │ method {method} │ k {k} │ temp {temperature:g} │ {backend} │ "
-            f"draft colours {'on' if colors else 'off'} (F2)"
+            f"colours in finished answers {'on' if colors else 'off'} (F2)"
         )

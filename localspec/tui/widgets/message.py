@@ -50,7 +50,7 @@ class MessageView(Vertical):
 
     def flush(self) -> None:
         """Show what was appended (the app calls this at most every 0.1 s: rendering costs CPU the model needs)."""
-        if self.is_mounted and self.children:
+        if self.children:
             self.query_one(".stream", Static).update(self._rich())
 
     def finish(self, note: str = "") -> None:
@@ -59,7 +59,7 @@ class MessageView(Vertical):
         self.refresh_view()
 
     def refresh_view(self) -> None:
-        if not (self.is_mounted and self.children):
+        if not self.children:  # not composed yet: on_mount calls this again (is_mounted is still False there)
             return
         self.query_one(".note", Static).update(Text(self.note, style="dim"))
         if self.role != "assistant":
@@ -67,7 +67,8 @@ class MessageView(Vertical):
         stream = self.query_one(".stream", Static)
         final = self.query_one(".final", Markdown)
         if self.finished and not self.show_colors:
-            final.update(self.text)
+            if final.source != self.text:
+                final.update(self.text)
             final.display = True
             stream.display = False
         else:

@@ -1,4 +1,5 @@
-"""The prompt box: Enter sends, Shift+Enter or Ctrl+J inserts a newline, Up on the first line recalls history."""
+"""The prompt box: Enter sends, Shift+Enter or Ctrl+J inserts a newline, Up on the first line recalls earlier
+prompts (the cursor goes to the end of the recalled one, ready to edit)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ class PromptBox(TextArea):
             super().__init__()
 
     def __init__(self, **kwargs) -> None:
+        kwargs.setdefault("placeholder", "Ask something · Enter sends · Shift+Enter new line · / for commands")
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.prompt_history: list[str] = []
         self._hist_pos: int | None = None
@@ -40,7 +42,7 @@ class PromptBox(TextArea):
             event.prevent_default()
             pos = len(self.prompt_history) if self._hist_pos is None else self._hist_pos
             self._hist_pos = max(0, pos - 1)
-            self.load_text(self.prompt_history[self._hist_pos])
+            self.recall(self.prompt_history[self._hist_pos])
             return
         if event.key == "down" and self._hist_pos is not None and self.cursor_location[0] == self.document.line_count - 1:
             event.stop()
@@ -50,6 +52,10 @@ class PromptBox(TextArea):
                 self._hist_pos = None
                 self.clear()
             else:
-                self.load_text(self.prompt_history[self._hist_pos])
+                self.recall(self.prompt_history[self._hist_pos])
             return
         await super()._on_key(event)
+
+    def recall(self, text: str) -> None:
+        self.load_text(text)
+        self.move_cursor(self.document.end)

@@ -1,11 +1,16 @@
-"""Live speculation statistics: tokens/s with a sparkline, acceptance, mean accepted length, acceptance per
-draft position, time to first token, draft vs verify time, k in use and each model's memory."""
+"""Live speculation figures in plain words (speed with a sparkline of the recent rate, drafts accepted, tokens per
+step, first token, prompt reused), the expert figures behind F3 (acceptance per draft position, draft and verify
+time, mean accepted length, the k in use and its cap, the controller's reason) and each model's memory. Names and
+sizes are never broken mid-word: a name too long for the panel is cut with an ellipsis, a size keeps its unit."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Sparkline, Static
+
+NBSP = "\u00a0"
 
 
 def _bar(frac: float, width: int = 12) -> str:
@@ -13,10 +18,25 @@ def _bar(frac: float, width: int = 12) -> str:
     return "█" * n + "░" * (width - n)
 
 
+def rate_text(rate: float | None) -> str:
+    """A rate over too small a sample (Stats.rate() / recent_rate() gave None) is shown as a dash."""
+    return "—" if rate is None else f"{rate:.1f}"
+
+
+def mib(n_bytes: int) -> str:
+    return f"{n_bytes / 2**20:,.0f}{NBSP}MiB"  # a no-break space: the number never ends a line without its unit
+
+
+def one_line(text: str, style: str = "") -> Text:
+    """A line that is cut with an ellipsis rather than wrapped (so a word is never split)."""
+    return Text(text, style=style, no_wrap=True, overflow="ellipsis")
+
+
 class StatsPanel(Vertical):
     def __init__(self, show_timings: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.show_timings = show_timings
+        self.expert = False
         self.rates: list[float] = []
         self.memory: dict[str, int] = {}
         self.last = None
@@ -28,42 +48,74 @@ class StatsPanel(Vertical):
         spark.display = False  # shown once there are rates to draw
         yield spark
         yield Static("", id="figures")
-        yield Static("", id="positions")
+        yield Static("", id="expert")
         yield Static("", id="memory")
+
+    def on_mount(self) -> None:
+        self.query_one("#expert").display = self.expert
 
     def _t(self, v: float, fmt: str) -> str:
         return format(v, fmt) if self.show_timings else "--"
 
-    def update_stats(self, stats, k: int | None = None) -> None:
+    def set_expert(self, on: bool) -> None:
+        self.expert = on
+        self.query_one("#expert").display = on
+        if self.last is not None:
+            self.update_stats(self.last, sample=False)
+
+    def update_stats(self, stats, sample: bool = True) -> None:
+        """Show `stats`; `sample`: add the recent rate to the sparkline (the app calls this twice a second while
+        an answer streams, and once at its end)."""
         self.last = stats
-        if stats.generation_s > 0 and self.show_timings:
-            self.rates.append(stats.tokens_per_second)
-            self.rates = self.rates[-60:]
-            spark = self.query_one("#spark", Sparkline)
-            spark.data = list(self.rates)
-            spark.display = len(self.rates) > 1
-        self.query_one("#tps", Static).update(Text(f"{self._t(stats.tokens_per_second, '.1f')} tok/s", style="bold"))
+        if sample and self.show_timings:
+            recent = stats.recent_rate()
+            if recent is not None:
+                self.rates.append(recent)
+                self.rates = self.rates[-60:]
+                spark = self.query_one("#spark", Sparkline)
+                spark.data = list(self.rates)
+                spark.display = len(self.rates) > 1
+        rate = rate_text(stats.rate()) if self.show_timings else "--"
+        self.query_one("#tps", Static).update(one_line(f"{rate} tokens/s", "bold"))
+        if stats.drafted:
+            accepted = f"{stats.acceptance_rate:.0%} ({stats.accepted} of {stats.drafted})"
+        else:
+            accepted = "— (nothing drafted)"
+        per_step = f"{stats.tokens_per_pass:.2f}" if stats.target_passes else "—"
+        lines = [
+            f"drafts accepted  {accepted}",
+            f"tokens per step  {per_step}",
+            f"first token      {self._t(stats.ttft_s, '.2f')}{NBSP}s",
+            f"tokens           {stats.completion_tokens}",
+            f"prompt reused    {stats.cached_prompt_tokens} of {stats.prompt_tokens}",
+            f"method           {stats.method}",
+            "details: F3" + ("" if self.expert else " (show)"),
+        ]
+        self.query_one("#figures", Static).update(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"))
+        if self.expert:
+            self.query_one("#expert", Static).update(self._expert(stats))
+
+    def _expert(self, stats) -> Text:
         used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
         ks = ", ".join(f"{a}:{b}" for a, b in sorted(stats.k_used.items())) or "-"
-        lines = [
-            f"acceptance   {stats.acceptance_rate:.0%} ({stats.accepted}/{stats.drafted})",
-            f"mean accepted length {stats.mean_accepted_length:.2f}",
-            f"ttft         {self._t(stats.ttft_s, '.2f')} s",
-            f"draft        {self._t(stats.draft_s, '.2f')} s",
-            f"verify       {self._t(stats.verify_s, '.2f')} s",
-            f"k in use     {ks}" + (f" (cap {stats.k_cap})" if stats.k_cap else ""),
-            f"steps        {used}",
-        ]
+        mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
+        out = Text(no_wrap=False)
+        out.append("acceptance by draft position\n")
+        for i, a in enumerate(stats.acceptance_by_position[:8]):
+            out.append(f" {i + 1:>2} {_bar(a)} {a:.0%}\n")
+        out.append(f"draft time       {self._t(stats.draft_s, '.2f')}{NBSP}s\n")
+        out.append(f"verify time      {self._t(stats.verify_s, '.2f')}{NBSP}s\n")
+        out.append(f"mean accepted    {mal}\n")
+        out.append(f"k in use         {ks}\n")
+        out.append(f"k cap            {stats.k_cap or '-'}\n")
+        out.append(f"steps            {used}")
         if stats.reason:
-            lines.append(stats.reason)
-        self.query_one("#figures", Static).update("\n".join(lines))
-        pos = ["acceptance by draft position"] + [
-            f" {i + 1:>2} {_bar(a)} {a:.0%}" for i, a in enumerate(stats.acceptance_by_position[:8])
-        ]
-        self.query_one("#positions", Static).update("\n".join(pos))
+            out.append(f"\nreason: {stats.reason}", style="dim")
+        return out
 
     def set_memory(self, memory: dict[str, int]) -> None:
         self.memory = memory
-        self.query_one("#memory", Static).update(
-            "memory\n" + "\n".join(f" {name}: {b / 2**20:,.0f} MiB" for name, b in memory.items())
-        )
+        lines = ["memory"]
+        for name, b in memory.items():
+            lines += [name, f"{NBSP * 2}{mib(b)}"]
+        self.query_one("#memory", Static).update(Content("\n".join(lines)))  # not markup: names may hold brackets
