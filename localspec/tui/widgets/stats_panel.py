@@ -109,6 +109,10 @@ class StatsPanel(Vertical):
         out.append(f"k in use         {ks}\n")
         out.append(f"k cap            {stats.k_cap or '-'}\n")
         out.append(f"steps            {used}")
+        if getattr(stats, "exactness", ""):
+            out.append(f"\nexactness        {stats.exactness}")
+            if stats.exactness_reason:
+                out.append(f"\n{stats.exactness_reason}", style="dim")
         if stats.reason:
             out.append(f"\nreason: {stats.reason}", style="dim")
         return out
