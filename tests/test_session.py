@@ -17,20 +17,9 @@ from fakehub import FakeHub
 from localspec import config
 from localspec.session import Session, generation_slot, resolve_settings
 from localspec.stats import Stats
-from test_cli import cli
+from test_cli import cli, isolated_config  # noqa: F401  (autouse: config, cache and env isolated per test)
 
 PKG = Path(__file__).resolve().parents[1] / "localspec"
-
-
-@pytest.fixture(autouse=True)
-def isolated(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for k in list(os.environ):
-        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CONFIG_DIR", "LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-            monkeypatch.delenv(k)
-    return tmp_path
 
 
 def store_tuned(key, **entry):
