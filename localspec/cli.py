@@ -139,7 +139,7 @@ def build_gen_config(s: dict, pair, stop: list[str] | None, target_path: Path):
     )
 
 
-def load_engine(s: dict, *, quiet: bool, announce=None):
+def load_engine(s: dict, *, quiet: bool, announce=None, chat_template: str | None = None):
     """Resolve, fetch and load the models named in settings `s`; returns (engine, pair, target, draft)."""
     from .engine import METHODS, Engine
 
@@ -155,7 +155,7 @@ def load_engine(s: dict, *, quiet: bool, announce=None):
         announce(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ...")
     engine = Engine.load(
         target, draft, n_ctx=ctx, gpu_layers=s["gpu_layers"], draft_gpu_layers=s["draft_gpu_layers"],
-        threads=s["threads"], drop_incompatible_draft=s["method"] == "auto",
+        threads=s["threads"], drop_incompatible_draft=s["method"] == "auto", chat_template=chat_template,
     )
     return engine, pair, target, draft
 
@@ -287,6 +287,7 @@ def run(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).", show_default=False)] = None,
     system: SystemOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt goes in as-is.")] = False,
+    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False)] = None,
     ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
     gpu_layers: Annotated[Optional[int], typer.Option("--gpu-layers", show_default=False)] = None,
     draft_gpu_layers: Annotated[Optional[int], typer.Option("--draft-gpu-layers", show_default=False)] = None,
@@ -306,17 +307,24 @@ def run(
     if not parts:
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
-    if s["threads"] is not None and s["threads"] < 1:
-        raise UsageError(f"threads must be >= 1, got {s['threads']}")
+    from .backend import check_threads
+
+    check_threads(s["threads"])  # before any download or load
     status = Status(quiet)
+    from .chat_template import read_template_file
     from .engine import Finished
 
+    template = read_template_file(chat_template) if chat_template is not None else None
+
     build_gen_config(s, None, stop, Path(s["model"]))  # bad sampling/k values fail before loading gigabytes
-    engine, pair, target, draft_path = load_engine(s, quiet=quiet, announce=status.info if sys.stderr.isatty() else None)
+    engine, pair, target, draft_path = load_engine(s, quiet=quiet, announce=status.info if sys.stderr.isatty() else None,
+                                                   chat_template=template)
     try:
         gen_cfg = build_gen_config(s, pair, stop, target)
         if engine.dropped_draft:
             status.info(f"warning: {engine.dropped_draft}; using prompt lookup")
+        if engine.template_warning and not raw:
+            status.info(f"warning: {engine.template_warning}")
         if raw:
             tokens = engine.raw_prompt(text)
         else:
