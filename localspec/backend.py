@@ -199,13 +199,15 @@ class Model:
         if os.environ.get("LOCALSPEC_NO_REPACK"):
             # work-around for CPUs where the native build's AMX path crashes (see README)
             mparams.use_extra_bufts = False
-        with _DeferSignals() as deferred:  # Ctrl-C aborts the load (through the progress callback) and is re-raised
-            progress = ll.llama_progress_callback(deferred.progress)
-            mparams.progress_callback = progress
-            self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
-            if deferred.received is not None and self._model:
-                ll.llama_model_free(self._model)
-                self._model = None
+        deferred = _DeferSignals()  # Ctrl-C aborts the load (through the progress callback) and is re-raised
+        progress = ll.llama_progress_callback(deferred.progress)
+        mparams.progress_callback = progress
+        try:
+            with deferred:
+                self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        except BaseException:  # KeyboardInterrupt, re-raised when the load returned
+            self.close()
+            raise
         if not self._model:
             if deferred.received is not None:  # the previous handler chose not to raise
                 raise ModelLoadError(f"loading {self.path.name} was interrupted")
