@@ -11,6 +11,7 @@ import ctypes
 import os
 import re
 import sys
+import signal
 import threading
 import time
 from pathlib import Path
@@ -48,6 +49,22 @@ def _require():
     return _ll
 
 
+def _c_noop_log_callback(ll):
+    """llama.cpp's log callback as a C function that ignores its arguments, or None where none is found.
+
+    A Python callback would run Python inside llama.cpp: Ctrl-C arriving then raises KeyboardInterrupt inside the
+    ctypes callback, which ctypes prints ("Exception ignored on calling ctypes callback") and drops, so the
+    interrupt is lost. libc's `abs(int)` reads only the first argument (the level), has no side effect, and its
+    result is discarded by the caller, so it serves as a no-op with the callback's register calling convention.
+    """
+    try:
+        libc = ctypes.CDLL(None) if os.name != "nt" else ctypes.cdll.msvcrt
+        addr = ctypes.cast(libc.abs, ctypes.c_void_p).value
+    except (OSError, AttributeError):  # pragma: no cover - exotic platforms
+        return None
+    return ll.llama_log_callback(addr) if addr else None
+
+
 def _init_backend() -> None:
     global _backend_ready, _log_cb
     ll = _require()
@@ -56,16 +73,68 @@ def _init_backend() -> None:
             return
         if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
             # silence llama.cpp's chatter on stderr (stderr belongs to our status line)
-            @ll.llama_log_callback
-            def _quiet(level, text, user_data):  # noqa: ARG001
-                return None
+            _log_cb = _c_noop_log_callback(ll)
+            if _log_cb is None:  # pragma: no cover - no libc: a Python no-op (Ctrl-C may then be lost while loading)
+                @ll.llama_log_callback
+                def _quiet(level, text, user_data):  # noqa: ARG001
+                    return None
 
-            _log_cb = _quiet
+                _log_cb = _quiet
             ll.llama_log_set(_log_cb, ctypes.c_void_p(0))
         ll.llama_backend_init()
         if not _DEBUG:
             _install_abort_handler()
         _backend_ready = True
+
+
+class _DeferSignals:
+    """While llama.cpp loads a model (main thread only): SIGINT/SIGTERM/SIGHUP only set a flag, so no Python
+    exception is raised inside a ctypes callback (where it would be dropped); the load's progress callback sees the
+    flag and aborts loading; on exit the first signal is delivered to the handler that was installed before."""
+
+    SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._saved: dict[int, object] = {}
+
+    def _flag(self, signum, frame) -> None:  # noqa: ARG002
+        if self.received is None:
+            self.received = signum
+
+    def progress(self, fraction, user_data) -> bool:  # noqa: ARG002 - llama_progress_callback: False aborts
+        return self.received is None
+
+    def __enter__(self) -> "_DeferSignals":
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                h = signal.getsignal(s)
+                if callable(h):  # a Python handler (default_int_handler for SIGINT): defer it
+                    self._saved[s] = signal.signal(s, self._flag)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._saved.items():
+            signal.signal(s, h)
+        if self.received is not None and exc[0] is None:
+            self._saved[self.received](self.received, None)
+
+
+MAX_THREADS_CAP = 512
+
+
+def max_threads() -> int:
+    """The most threads a model may use: 4 per core, at most 512 (llama.cpp hangs or crashes far above)."""
+    return min(MAX_THREADS_CAP, 4 * max(default_threads(), os.cpu_count() or 1))
+
+
+def check_threads(n_threads: int | None) -> None:
+    """Raise UsageError unless n_threads is None (all cores) or 1..max_threads()."""
+    if n_threads is None:
+        return
+    hi = max_threads()
+    if isinstance(n_threads, bool) or not isinstance(n_threads, int) or not 1 <= n_threads <= hi:
+        raise UsageError(f"threads must be between 1 and {hi}, got {n_threads}")
 
 
 def default_threads() -> int:
@@ -378,6 +447,8 @@ def _install_abort_handler() -> None:
     setter(ctypes.cast(_abort_cb, ctypes.c_void_p))
 
 
+_C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale, as llama.cpp strips around tokens
+
 GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
@@ -400,8 +471,10 @@ class Model:
         """rpc_servers: llama.cpp RPC workers ("HOST:PORT") that take this model's layers (all of them unless
         n_gpu_layers says how many; the rest stay on the local CPU), in tensor_split proportions (one per
         device: the workers' devices in order, then local GPUs; default: by free memory)."""
+        check_threads(n_threads)  # before llama.cpp sees it: 100000 threads crash it, 1000 hang it
         ll = _require()
         _init_backend()
+        self._model = self._ctx = self._batch = None
         self.path = Path(path)
         self.rpc_servers = list(rpc_servers or [])
         self._ctx = None
@@ -442,10 +515,21 @@ class Model:
             mparams.use_extra_bufts = False
         if self.rpc_servers:
             _rpc_in_use.extend(self.rpc_servers)
-        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        deferred = _DeferSignals()  # Ctrl-C aborts the load (through the progress callback) and is re-raised
+        progress = ll.llama_progress_callback(deferred.progress)
+        mparams.progress_callback = progress
+        try:
+            with deferred:
+                self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        except BaseException:  # KeyboardInterrupt, re-raised when the load returned
+            self.close()
+            self._release_rpc()
+            raise
         del keep
         if not self._model:
             self._release_rpc()
+            if deferred.received is not None:  # the previous handler chose not to raise
+                raise ModelLoadError(f"loading {self.path.name} was interrupted")
             raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt, truncated or unsupported GGUF)")
         try:
             self._vocab = ll.llama_model_get_vocab(self._model)
@@ -475,14 +559,15 @@ class Model:
             self.kv_type = kv
             cparams.type_k = cparams.type_v = GGML_TYPES[kv]
             cparams.no_perf = True
-            self._ctx = ll.llama_init_from_model(self._model, cparams)
+            with _DeferSignals():
+                self._ctx = ll.llama_init_from_model(self._model, cparams)
             if not self._ctx:
                 raise ModelLoadError(f"could not create a context of {n_ctx} tokens for {self.path.name}")
             self.n_ctx = int(ll.llama_n_ctx(self._ctx))
             self.n_batch = int(ll.llama_n_batch(self._ctx))  # llama.cpp caps it at n_ctx
             self._mem = ll.llama_get_memory(self._ctx)
             self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
-        except Exception:
+        except BaseException:  # KeyboardInterrupt too: free what was allocated
             self.close()
             raise
         self.reused = 0  # prefix tokens the last sync() kept from the cache
@@ -559,25 +644,84 @@ class Model:
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
 
-    def apply_chat_template(self, messages: Sequence[dict], add_assistant: bool = True) -> str | None:
-        """Render messages with the model's template (llama.cpp's built-in matcher). None if unsupported."""
-        tmpl = self.chat_template()
-        if tmpl is None:
-            return None
-        enc = [(m["role"].encode(), m["content"].encode()) for m in messages]
-        arr = (_ll.llama_chat_message * len(enc))()
-        for i, (r, c) in enumerate(enc):
-            arr[i].role = r
-            arr[i].content = c
-        size = 2 * sum(len(c) + len(r) for r, c in enc) + 1024
-        buf = ctypes.create_string_buffer(size)
-        n = _ll.llama_chat_apply_template(tmpl.encode(), arr, len(enc), add_assistant, buf, size)
-        if n < 0:
-            return None
-        if n > size:
-            buf = ctypes.create_string_buffer(n + 1)
-            n = _ll.llama_chat_apply_template(tmpl.encode(), arr, len(enc), add_assistant, buf, n + 1)
-        return buf.raw[:n].decode("utf-8", "replace")
+    def special_text(self, which: str) -> str:
+        """The text of the BOS or EOS token ("" if the model has none), as chat templates print it."""
+        tok = {"bos": _ll.llama_vocab_bos, "eos": _ll.llama_vocab_eos}[which](self._vocab)
+        return self.token_text(tok).decode("utf-8", "replace") if tok >= 0 else ""
+
+    def tokenize_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """Tokenize a rendered chat prompt given as (text, is_content) pieces, with BOS as the vocab wants it.
+
+        Control tokens are recognised only in the template's markup (is_content False); message content is always
+        plain text, so '<|im_end|>' written by a user stays text. Otherwise the result equals llama.cpp's own
+        tokenization of the joined text with parse_special: the markup is split at its control tokens (longest
+        text first, with the tokens' lstrip/rstrip attributes) and each text run between control tokens, markup
+        and content together, is tokenized whole, as llama.cpp tokenizes the fragments between special tokens.
+        """
+        items: list[str | int] = []  # text runs and control token ids
+        rstrip_next = False
+
+        def add_text(t: str) -> None:
+            nonlocal rstrip_next
+            if rstrip_next:
+                t = t.lstrip(_C_SPACE)
+                rstrip_next = not t
+            if not t:
+                return
+            if items and isinstance(items[-1], str):
+                items[-1] += t
+            else:
+                items.append(t)
+
+        for text, is_content in segments:
+            if is_content:
+                add_text(text)
+                continue
+            for part in self._split_control(text):
+                if isinstance(part, str):
+                    add_text(part)
+                    continue
+                tok, attr = part
+                if attr & _ll.LLAMA_TOKEN_ATTR_LSTRIP and items and isinstance(items[-1], str):
+                    items[-1] = items[-1].rstrip(_C_SPACE)
+                    if not items[-1]:
+                        items.pop()
+                items.append(tok)
+                rstrip_next = bool(attr & _ll.LLAMA_TOKEN_ATTR_RSTRIP)
+        out: list[int] = []
+        v = self._vocab
+        bos = int(_ll.llama_vocab_bos(v))
+        if _ll.llama_vocab_get_add_bos(v) and bos >= 0 and not (items and items[0] == bos):
+            out.append(bos)  # a template that prints bos_token itself gets it once, not twice
+        for item in items:
+            if isinstance(item, int):
+                out.append(item)
+            else:
+                out += self.tokenize(item, add_special=False, parse_special=False)
+        return out
+
+    def _split_control(self, text: str) -> list:
+        """`text` split into str runs and (token, attr) for every control/unknown token llama.cpp would match."""
+        specials: dict[str, tuple[int, int]] = {}
+        mask = _ll.LLAMA_TOKEN_ATTR_CONTROL | _ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        for t in set(self.tokenize(text, add_special=False, parse_special=True)):
+            attr = int(_ll.llama_vocab_get_attr(self._vocab, t))
+            if attr & mask and self.token_text(t):
+                specials[self.token_text(t).decode("utf-8", "replace")] = (t, attr)
+        parts: list = [text]
+        for s in sorted(specials, key=len, reverse=True):
+            split: list = []
+            for p in parts:
+                if not isinstance(p, str):
+                    split.append(p)
+                    continue
+                for i, chunk in enumerate(p.split(s)):
+                    if i:
+                        split.append(specials[s])
+                    if chunk:
+                        split.append(chunk)
+            parts = split
+        return parts
 
     # -------------------------------------------------------------- the cache
     def truncate(self, n_keep: int) -> None:
@@ -663,7 +807,7 @@ class Model:
     def close(self) -> None:
         if _ll is None:
             return
-        if self._batch is not None:
+        if getattr(self, "_batch", None) is not None:
             _ll.llama_batch_free(self._batch)
             self._batch = None
         if getattr(self, "_ctx", None):

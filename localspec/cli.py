@@ -340,6 +340,7 @@ def run(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).", show_default=False)] = None,
     system: SystemOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt goes in as-is.")] = False,
+    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False, metavar="FILE")] = None,
     ctx_size: CtxOpt = None,
     gpu_layers: GpuOpt = None,
     draft_gpu_layers: DraftGpuOpt = None,
@@ -366,9 +367,12 @@ def run(
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
     status = Status(quiet)
+    from .chat_template import read_template_file
     from .engine import Finished
 
     sess.check()  # bad sampling/k/thread values fail before loading gigabytes
+    if chat_template is not None:
+        sess.chat_template = read_template_file(chat_template)
     if sys.stderr.isatty():
         sess.announce = status.info
     engine = sess.load()
@@ -377,6 +381,8 @@ def run(
         gen_cfg = sess.gen_config(stop)
         if engine.dropped_draft:
             status.info(f"warning: {engine.dropped_draft}; using prompt lookup")
+        if engine.template_warning and not raw:
+            status.info(f"warning: {engine.template_warning}")
         if raw:
             tokens = engine.raw_prompt(text)
         else:

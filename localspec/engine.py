@@ -134,7 +134,15 @@ class FixedPolicy:
 
 
 class Engine:
-    def __init__(self, target, draft=None, *, draft_name: str | None = None) -> None:
+    """target (and draft) models plus the decoding loop.
+
+    chat_template: a Jinja chat template that replaces the target's own (None: the one in the GGUF).
+    template_warning: set when the target has no chat template and none was given (prompts then use a plain
+    "role: content" transcript); the front end shows it once.
+    last_text: the answer text released so far by the current/last generate(), also after an interrupt.
+    """
+
+    def __init__(self, target, draft=None, *, draft_name: str | None = None, chat_template: str | None = None) -> None:
         self.target = target
         self.draft = draft
         self.draft_name = draft_name or (draft.name if draft is not None else None)
@@ -144,6 +152,13 @@ class Engine:
         self.dropped_draft: str | None = None
         self._exact: dict[int, int] = {}
         self.last_stats: Stats | None = None
+        self._assembler: TextAssembler | None = None
+        self._template_source = chat_template
+        self._template = None  # parsed on first use (--raw prompts never need it)
+        self.template_warning: str | None = None
+        if chat_template is None and target.chat_template() is None:
+            self.template_warning = (f"{target.name} has no chat template; using a plain 'role: content' transcript "
+                                     "(give one with --chat-template FILE)")
         if draft is not None:
             check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
             if draft.n_ctx < target.n_ctx:
@@ -162,13 +177,16 @@ class Engine:
         drop_incompatible_draft: bool = False,
         rpc: str | Sequence[str] | None = None,
         tensor_split: str | Sequence[float] | None = None,
+        chat_template: str | None = None,
     ) -> "Engine":
         """Load target (and draft). gpu_layers None: all layers on the GPU when llama.cpp has a GPU device, else
         none. drop_incompatible_draft: keep going without a draft that fails the
         pair check (the reason is in .dropped_draft) instead of raising. rpc: llama.cpp RPC workers
         ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
         from . import rpc as rpc_mod
-        from .backend import Model, resolve_gpu_layers
+        from .backend import Model, check_threads, resolve_gpu_layers
+
+        check_threads(threads)  # before loading anything
 
         workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects
         split = rpc_mod.parse_tensor_split(tensor_split)
@@ -180,16 +198,16 @@ class Engine:
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
                               n_threads=threads)
             try:
-                return cls(target, draft)
+                return cls(target, draft, chat_template=chat_template)
             except IncompatibleDraftError as exc:
                 if not drop_incompatible_draft:
                     raise
                 draft.close()
                 draft = None
-                engine = cls(target, None)
+                engine = cls(target, None, chat_template=chat_template)
                 engine.dropped_draft = str(exc)
                 return engine
-        except Exception:
+        except BaseException:
             if draft is not None:
                 draft.close()
             target.close()
@@ -202,10 +220,29 @@ class Engine:
 
     # --------------------------------------------------------------- prompts
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
-        text = self.target.apply_chat_template(messages, add_assistant=True)
-        if text is None:  # no (supported) template: a plain transcript
-            text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
-        return self.target.tokenize(text, add_special=True, parse_special=True)
+        """Messages rendered with the chat template, ready for generate(). Message content is plain text:
+        control tokens written in it ('<|im_end|>') are not parsed, only the template's own markup is."""
+        from .chat_template import plain_segments
+
+        tmpl = self.chat_template()
+        segments = tmpl.segments(messages) if tmpl is not None else plain_segments(messages)
+        return self.target.tokenize_segments([(s.text, s.content) for s in segments])
+
+    def chat_template(self):
+        """The parsed ChatTemplate (None: the target has none and none was given). Raises ChatTemplateError."""
+        from .chat_template import ChatTemplate
+
+        if self._template is None:
+            src = self._template_source
+            origin = f"the chat template given for {self.target.name}"
+            if src is None:
+                src = self.target.chat_template()
+                origin = f"the chat template of {self.target.name}"
+            if src is None:
+                return None
+            self._template = ChatTemplate(src, origin=origin, bos_token=self.target.special_text("bos"),
+                                          eos_token=self.target.special_text("eos"))
+        return self._template
 
     def prefill(self, prompt_tokens: Sequence[int]) -> int:
         """Decode a prompt into the KV caches ahead of its turn (a reopened chat): the next generation whose prompt
@@ -319,6 +356,7 @@ class Engine:
         target = self.target
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
+        text = self._assembler = TextAssembler(cfg.stop)
         policy, method, k_cap = self.make_policy(cfg)
         _, level, why = self.exactness_for(cfg)
         stats = self.last_stats = Stats(method=method, k_cap=k_cap, exactness=level, exactness_reason=why)
@@ -342,7 +380,6 @@ class Engine:
             d.begin(prompt)
         stats.prompt_s = time.perf_counter() - t0
 
-        text = TextAssembler(cfg.stop)
         out_tokens: list[int] = []
         context = prompt  # grows; the drafters see it, the last element is pending
         finish = None
@@ -424,6 +461,12 @@ class Engine:
         if tail:
             yield Piece(tail, -1, False)
         yield Finished(text.text, out_tokens, finish, stats)
+
+    @property
+    def last_text(self) -> str:
+        """The text the current (or last) generate() has released so far: on Ctrl-C or a cancel, the partial
+        answer, exactly what was streamed (text held back as a possible stop string start is not included)."""
+        return self._assembler.text if self._assembler is not None else ""
 
     def complete(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None) -> Finished:
         result = None

@@ -144,6 +144,7 @@ class Session:
         self.pair = None
         self.target_path: Path | None = None
         self.draft_path: Path | None = None
+        self.chat_template: str | None = None  # a Jinja template that replaces the target's own (--chat-template)
 
     # ------------------------------------------------------------ settings
     def settings(self) -> dict[str, Setting]:
@@ -220,7 +221,7 @@ class Session:
         engine = Engine.load(
             target, draft, n_ctx=v["ctx_size"], gpu_layers=v["gpu_layers"], draft_gpu_layers=v["draft_gpu_layers"],
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
-            rpc=v.get("rpc"), tensor_split=v.get("tensor_split"),
+            rpc=v.get("rpc"), tensor_split=v.get("tensor_split"), chat_template=self.chat_template,
         )
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft

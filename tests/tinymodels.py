@@ -43,7 +43,7 @@ def vocab(words=WORDS):
 
 
 def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_head=4, n_ff=128,
-                layer_std=0.6, bigram=0.5, n_ctx_train=2048) -> Path:
+                layer_std=0.6, bigram=0.5, n_ctx_train=2048, chat_template: str | None = CHATML) -> Path:
     """Random llama model. The output matrix is a random matrix plus `bigram` x a permutation of the
     token embeddings: each token strongly suggests a successor, the layers perturb it with context.
     That keeps greedy top-2 margins wide (0.1-5 logits) while outputs stay varied."""
@@ -78,7 +78,8 @@ def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_h
     wr.add_eos_token_id(2)
     wr.add_add_bos_token(True)
     wr.add_add_eos_token(False)
-    wr.add_chat_template(CHATML)
+    if chat_template is not None:
+        wr.add_chat_template(chat_template)
 
     emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))

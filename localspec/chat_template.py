@@ -1,0 +1,188 @@
+"""Chat templates: the model's own Jinja template, rendered in jinja2's immutable sandbox.
+
+The environment matches Hugging Face transformers' (trim_blocks, lstrip_blocks, loopcontrols, a `tojson` that keeps
+non-ASCII, `raise_exception`, `strftime_now`, `{% generation %}`), so a template that works there works here.
+
+A rendered prompt comes back as segments: template markup and message content. Only markup may hold special
+tokens; content is tokenized as plain text, so `<|im_end|>` typed or piped by a user stays text and cannot
+close the user's turn (see backend.Model.tokenize_segments).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+from .errors import LocalspecError, UsageError
+
+
+class ChatTemplateError(LocalspecError):
+    """A chat template that does not parse, fails while rendering, or reaches outside the sandbox.
+    Exit status 1: the command was fine, the template (the model's data or the --chat-template file) is not."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    text: str
+    content: bool  # True: a message's text (plain text); False: template markup (special tokens allowed)
+
+
+def read_template_file(path: str | Path) -> str:
+    """The text of a --chat-template FILE (a usage error when it cannot be read)."""
+    p = Path(path).expanduser()
+    try:
+        return p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"chat template file not found: {path}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"chat template file is not UTF-8 text: {path}") from None
+    except OSError as exc:
+        raise UsageError(f"cannot read chat template file {path}: {exc.strerror or exc}") from None
+
+
+def plain_segments(messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
+    """The fallback for a model without a template: a 'role: content' transcript."""
+    out: list[Segment] = []
+    for m in messages:
+        out += [Segment(f"{m['role']}: ", False), Segment(m["content"], True), Segment("\n", False)]
+    if add_generation_prompt:
+        out.append(Segment("assistant:", False))
+    return out
+
+
+def _environment():
+    import jinja2
+    from jinja2 import nodes
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(Extension):
+        """`{% generation %}...{% endgeneration %}` (marks assistant text for training in transformers): renders
+        its body."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(fmt):
+        return datetime.now().strftime(fmt)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class ChatTemplate:
+    """A parsed template. `origin` names it in errors ("the chat template of model.gguf")."""
+
+    def __init__(self, source: str, *, origin: str, bos_token: str = "", eos_token: str = "") -> None:
+        import jinja2
+
+        self.origin = origin
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        try:
+            self._tmpl = _environment().from_string(source)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"{origin} cannot be parsed: {_one_line(exc.message)} (line {exc.lineno})") from None
+        except Exception as exc:
+            raise ChatTemplateError(f"{origin} cannot be parsed: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+        from jinja2.exceptions import SecurityError, TemplateError
+
+        try:
+            return self._tmpl.render(
+                messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
+            )
+        except SecurityError as exc:
+            raise ChatTemplateError(f"{self.origin} tried to reach outside the sandbox: {_one_line(exc)}") from None
+        except TemplateError as exc:  # raise_exception(...) and undefined-variable errors
+            raise ChatTemplateError(f"{self.origin} refused the messages: {_one_line(exc.message or exc)}") from None
+        except Exception as exc:
+            raise ChatTemplateError(f"{self.origin} failed: {type(exc).__name__}: {_one_line(exc)}") from None
+
+    def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
+        """The rendered prompt split into markup and content.
+
+        The template is rendered twice: with the real messages (the text the model expects) and with each content
+        replaced by a unique placeholder (which shows where the markup is). The real text is then matched piece by
+        piece: markup, then the message's content as the template printed it (as-is, or stripped as `| trim` does),
+        then markup... Content can never be taken for markup: every piece is checked in order against the real
+        text. If the template transformed content in a way not recognised here, the placeholders are filled with
+        the content as-is (the prompt then differs from the template only in that transformation).
+        """
+        real = self.render(messages, add_generation_prompt)
+        nonce = secrets.token_hex(8)
+        while any(nonce in str(m.get("content", "")) for m in messages):  # pragma: no cover - 2^-64
+            nonce = secrets.token_hex(8)
+        masked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if isinstance(m.get("content"), str) else dict(m)
+                  for i, m in enumerate(messages)]
+        try:
+            skeleton = self.render(masked, add_generation_prompt)
+        except ChatTemplateError as exc:  # it accepts the real contents but not placeholders: it parses them
+            raise ChatTemplateError(f"{self.origin} cannot be split into markup and message text ({exc})") from None
+        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", skeleton)
+        markup, order = parts[0::2], [int(x) for x in parts[1::2]]
+        aligned = _align(real, markup, [messages[i]["content"] for i in order])
+        if aligned is not None:
+            return aligned
+        out = [Segment(markup[0], False)]
+        for i, m in zip(order, markup[1:]):
+            out += [Segment(messages[i]["content"], True), Segment(m, False)]
+        return out
+
+
+def _variants(content: str) -> list[str]:
+    """How templates commonly print a message's content: as-is, `| trim`, `.strip()`, `.lstrip()`, `.rstrip()`,
+    and after a reasoning block (`content.split('</think>')[-1].lstrip('\\n')`)."""
+    out = [content, content.strip(), content.lstrip(), content.rstrip()]
+    if "</think>" in content:
+        after = content.split("</think>")[-1]
+        out += [after, after.lstrip("\n"), after.strip()]
+    seen: set[str] = set()
+    return [v for v in out if not (v in seen or seen.add(v))]
+
+
+def _align(real: str, markup: list[str], contents: list[str]) -> list[Segment] | None:
+    if not real.startswith(markup[0]):
+        return None
+    out = [Segment(markup[0], False)]
+    pos = len(markup[0])
+    for j, content in enumerate(contents):
+        nxt = markup[j + 1]
+        last = j == len(contents) - 1
+        for v in _variants(content):
+            if real.startswith(v + nxt, pos) and (not last or pos + len(v) + len(nxt) == len(real)):
+                break
+        else:
+            return None
+        out += [Segment(v, True), Segment(nxt, False)]
+        pos += len(v) + len(nxt)
+    if pos != len(real):
+        return None
+    return [s for s in out if s.text]
