@@ -742,8 +742,45 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
         sess.close()
 
 
+# ----------------------------------------------------------------- serve
+@app.command(
+    epilog=(
+        "Examples:\n\n"
+        "  localspec serve\n\n"
+        "  localspec serve -m ./model.gguf -d ./draft.gguf --port 8000\n\n"
+        "  LOCALSPEC_API_KEY=secret localspec serve --host 0.0.0.0"
+    )
+)
+def serve(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    method: MethodOpt = None,
+    draft_tokens: KOpt = None,
+    p_min: Annotated[Optional[float], typer.Option("--p-min", help="Draft model stops below this top probability.", show_default=False)] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("-n", "--max-tokens", help="Default for requests without max_tokens.", show_default=False)] = None,
+    temperature: Annotated[Optional[float], typer.Option("-t", "--temperature", help="Default for requests without temperature (0 = greedy).", show_default=False)] = None,
+    ctx_size: Annotated[Optional[int], typer.Option("-c", "--ctx-size", show_default=False)] = None,
+    gpu_layers: Annotated[Optional[int], typer.Option("--gpu-layers", show_default=False)] = None,
+    draft_gpu_layers: Annotated[Optional[int], typer.Option("--draft-gpu-layers", show_default=False)] = None,
+    threads: Annotated[Optional[int], typer.Option("--threads", show_default=False)] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback exposes the API.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
+):
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    from .server import serve as run_server
+    from .session import Session
+
+    sess = Session(flags(
+        model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
+        temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
+    ))
+    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue)
+
+
 # ----------------------------------------------------------------- entry point
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "serve"}
 
 
 def main(argv: list[str] | None = None) -> None:
