@@ -452,6 +452,7 @@ def create_app(session, *, api_key: str | None = None, queue_size: int = DEFAULT
         worker.stop()
 
     app = FastAPI(title="localspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, api_key=api_key, max_body=max_body)
     app.state.worker = worker
     app.state.model = name
 
