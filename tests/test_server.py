@@ -86,7 +86,7 @@ def served(target_path, draft_path, tmp_path_factory):
         app = create_app(sess, queue_size=1, max_body=MAX_BODY, log=lambda m: None)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
         th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         th.start()
         end = time.monotonic() + 30
@@ -98,7 +98,8 @@ def served(target_path, draft_path, tmp_path_factory):
         finally:
             server.should_exit = True
             th.join(30)
-            sess.close()
+            if app.state.worker.stop(timeout=30):  # never free the models under a running generation
+                sess.close()
 
 
 @pytest.fixture(scope="module")
