@@ -7,6 +7,7 @@ own tokens/s, and the client-side tokens/s next to `localspec run --json` on the
 client's latency over the engine's elapsed time for the same request (1 client, so no queueing).
 
 Usage: python benchmarks/serve_latency.py [MODEL.gguf] [-d DRAFT.gguf] [-n 64] [--method auto] [--requests 8]
+       [--threads N]
 """
 
 from __future__ import annotations
@@ -33,9 +34,13 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def extra(args):
+    return (["-d", args.draft] if args.draft else []) + (["--threads", str(args.threads)] if args.threads else [])
+
+
 def start_server(args):
     cmd = [sys.executable, "-m", "localspec", "serve", "-m", args.model, "--port", "0", "--method", args.method,
-           "--queue", "16"] + (["-d", args.draft] if args.draft else [])
+           "--queue", "16"] + extra(args)
     p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
     for line in p.stderr:
         m = re.match(r"localspec serve: http://([^:]+):(\d+)/v1", line.decode().strip())
@@ -96,7 +101,7 @@ def run_baseline(args):
     out = []
     for p in PROMPTS:
         cmd = [sys.executable, "-m", "localspec", "run", "-m", args.model, "-n", str(args.n), "--method", args.method,
-               "--json", "-q", p] + (["-d", args.draft] if args.draft else [])
+               "--json", "-q", p] + extra(args)
         d = json.loads(subprocess.run(cmd, capture_output=True, check=True).stdout)
         out.append(d)
     return out
@@ -109,6 +114,7 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--method", default="auto")
     ap.add_argument("--requests", type=int, default=8, help="requests per scenario")
+    ap.add_argument("--threads", type=int, help="passed to both serve and run")
     args = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))  # so the server subprocess is stopped too
 

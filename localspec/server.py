@@ -18,14 +18,13 @@ import json
 import math
 import queue
 import socket
-import sys
 import threading
 import time
 import traceback
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
