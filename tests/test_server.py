@@ -1,0 +1,428 @@
+"""`localspec serve`: the OpenAI-compatible API, driven by the official `openai` client against a server on a free
+local port with the tiny test models (in-process on a uvicorn thread; the CLI command as a real subprocess)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+PROMPT = "the cat and the dog"
+N = 24
+LONG = 100_000  # more than the context holds: a generation that runs until it is cancelled
+CTX = 8192
+MAX_BODY = 64 * 1024
+
+
+def _env(cfg_dir) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith("LOCALSPEC_")
+         or k in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS")}
+    e.update(LOCALSPEC_CONFIG_DIR=str(cfg_dir), HF_HUB_OFFLINE="1")
+    return e
+
+
+def cli(args, env, timeout=120):
+    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, timeout=timeout, env=env)
+
+
+class Served:
+    def __init__(self, url, app, session, env):
+        self.url, self.app, self.session, self.env = url, app, session, env
+        self.host, self.port = url.split("//")[1].split("/")[0].split(":")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), **kw)
+
+    def raw(self, method, path, body=None, headers=None):
+        """(status, headers, parsed JSON) for a hand-made request (malformed bodies the client would not send)."""
+        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=headers or {})
+            r = conn.getresponse()
+            data = r.read()
+            return r.status, dict(r.getheaders()), json.loads(data) if data else None
+        finally:
+            conn.close()
+
+    def health(self):
+        return self.raw("GET", "/health")[2]
+
+    def wait_for(self, pred, what, timeout=60.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            h = self.health()
+            if pred(h):
+                return h
+            time.sleep(0.02)
+        raise AssertionError(f"server never reached: {what}; /health says {self.health()}")
+
+
+@pytest.fixture(scope="module")
+def served(target_path, draft_path, tmp_path_factory):
+    from localspec.server import create_app
+    from localspec.session import Session
+
+    cfg_dir = tmp_path_factory.mktemp("cfg")
+    with pytest.MonkeyPatch.context() as mp:
+        for k in list(os.environ):
+            if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
+                mp.delenv(k)
+        mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
+        sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 3,
+                        "ctx_size": CTX}, quiet=True)
+        sess.load()
+        app = create_app(sess, queue_size=1, max_body=MAX_BODY, log=lambda m: None)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        th.start()
+        end = time.monotonic() + 30
+        while not server.started and time.monotonic() < end:
+            time.sleep(0.01)
+        assert server.started
+        try:
+            yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, sess, _env(cfg_dir))
+        finally:
+            server.should_exit = True
+            th.join(30)
+            if app.state.worker.stop(timeout=30):  # never free the models under a running generation
+                sess.close()
+
+
+@pytest.fixture(scope="module")
+def plain(served, target_path):
+    """What `localspec run` answers (plain decoding, no draft) for PROMPT: (chat text, raw text)."""
+    base = ["run", "-m", str(target_path), "--method", "none", "-n", str(N), "--json"]
+    chat = cli(base + [PROMPT], served.env)
+    raw = cli(base + ["--raw", PROMPT], served.env)
+    assert chat.returncode == 0 and raw.returncode == 0, (chat.stderr, raw.stderr)
+    return json.loads(chat.stdout)["text"], json.loads(raw.stdout)["text"]
+
+
+def check_stats(ls: dict, usage: dict | None = None) -> None:
+    for key in ("tokens_per_second", "acceptance_rate", "tokens_per_pass", "mean_accepted_length", "method", "k",
+                "drafted", "accepted"):
+        assert key in ls, key
+    assert ls["requested_method"] == "draft" and 1 <= ls["k"] <= 3
+    assert ls["drafted"] > 0 and 0 <= ls["accepted"] <= ls["drafted"]
+    assert ls["acceptance_rate"] == pytest.approx(ls["accepted"] / ls["drafted"])
+    assert ls["tokens_per_pass"] >= 1.0
+    if usage is not None:
+        assert usage["completion_tokens"] == N and usage["prompt_tokens"] > 0
+        assert usage["total_tokens"] == usage["prompt_tokens"] + N
+
+
+# ----------------------------------------------------------------- answers equal `localspec run`
+def test_chat_equals_run_streamed_and_not(served, plain):
+    c = served.client()
+    r = c.chat.completions.create(model=served.app.state.model, messages=[{"role": "user", "content": PROMPT}],
+                                  max_tokens=N, temperature=0)
+    d = r.model_dump()
+    assert d["choices"][0]["message"]["content"] == plain[0]
+    assert d["choices"][0]["finish_reason"] == "length" and d["object"] == "chat.completion"
+    check_stats(d["localspec"], d["usage"])
+
+    chunks = [ch.model_dump() for ch in c.chat.completions.create(
+        model="localspec", messages=[{"role": "user", "content": PROMPT}], max_tokens=N, temperature=0, stream=True,
+        stream_options={"include_usage": True})]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    assert text == plain[0]
+    final = [ch for ch in chunks if ch["choices"] and ch["choices"][0]["finish_reason"]]
+    assert len(final) == 1 and final[0]["choices"][0]["finish_reason"] == "length"
+    check_stats(final[0]["localspec"])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == N  # the usage chunk
+    check_stats(chunks[-1]["localspec"], chunks[-1]["usage"])
+
+
+def test_completion_equals_run_raw_streamed_and_not(served, plain):
+    c = served.client()
+    r = c.completions.create(model=served.app.state.model, prompt=PROMPT, max_tokens=N, temperature=0).model_dump()
+    assert r["choices"][0]["text"] == plain[1] and r["object"] == "text_completion"
+    check_stats(r["localspec"], r["usage"])
+    r1 = c.completions.create(model="localspec", prompt=[PROMPT], max_tokens=N, temperature=0).model_dump()
+    assert r1["choices"][0]["text"] == plain[1]  # a list of one string
+
+    chunks = [ch.model_dump() for ch in c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N,
+                                                              temperature=0, stream=True)]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == plain[1]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    check_stats(chunks[-1]["localspec"])
+    assert all(ch.get("usage") is None for ch in chunks)  # no usage chunk unless asked for
+
+
+def test_stream_ends_with_done(served):
+    conn = http.client.HTTPConnection(served.host, int(served.port), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True}))
+    r = conn.getresponse()
+    body = r.read().decode()
+    conn.close()
+    assert r.status == 200 and r.getheader("content-type").startswith("text/event-stream")
+    events = [e for e in body.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+
+
+def test_stop_and_seed(served, plain):
+    c = served.client()
+    stop = plain[1][3:6]
+    r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0, stop=[stop]).model_dump()
+    assert r["choices"][0]["finish_reason"] == "stop" and r["choices"][0]["text"] == plain[1][: plain[1].index(stop)]
+    a, b = (c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0.9, top_p=0.9,
+                                 seed=7).choices[0].text for _ in range(2))
+    assert a == b  # the same seed samples the same answer
+
+
+def test_extending_a_conversation_reuses_the_cache(served):
+    c = served.client()
+    first = [{"role": "user", "content": "the dog"}]
+    r1 = c.chat.completions.create(model="localspec", messages=first, max_tokens=8, temperature=0)
+    msgs = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                    {"role": "user", "content": "and the cat"}]
+    r2 = c.chat.completions.create(model="localspec", messages=msgs, max_tokens=8, temperature=0).model_dump()
+    cached = r2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= r1.usage.prompt_tokens  # the whole first prompt came from the cache
+    assert cached < r2["usage"]["prompt_tokens"]
+
+
+# ----------------------------------------------------------------- models, health, errors
+def test_models_and_health(served, target_path):
+    ms = served.client().models.list().data
+    assert [m.id for m in ms] == [target_path.name] == [served.app.state.model]
+    h = served.health()
+    assert h["status"] == "ok" and h["model"] == target_path.name and "cancelled" in h["generations"]
+
+
+def test_unknown_model_and_n_are_400(served):
+    c = served.client(max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    err = e.value.body if isinstance(e.value.body, dict) and "message" in e.value.body else e.value.body["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model" and "gpt-4o" in err["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="localspec", prompt="hi", max_tokens=2, n=2)
+    assert "n must be 1" in str(e.value)
+
+
+@pytest.mark.parametrize("body,needle", [
+    (b'{"prompt": "x",', "malformed JSON"),
+    (b"\xff\xfe", "malformed JSON"),
+    (b"[1, 2]", "JSON object"),
+    (b'{"max_tokens": 3}', "prompt"),
+    (b'{"prompt": "x", "max_tokens": "many"}', "max_tokens"),
+    (b'{"prompt": "x", "max_tokens": 0}', "max tokens"),
+    (b'{"prompt": "x", "temperature": -1}', "temperature"),
+    (b'{"prompt": "x", "temperature": NaN}', "temperature"),
+    (b'{"prompt": "x", "top_p": 1.5}', "top-p"),
+    (b'{"prompt": "x", "seed": -1}', "seed"),
+    (b'{"prompt": "x", "stop": [1]}', "stop"),
+    (b'{"prompt": ["a", "b"]}', "list of one string"),
+    (b'{"prompt": ""}', "empty"),
+])
+def test_malformed_completion_bodies_are_400(served, body, needle):
+    status, _, data = served.raw("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    assert status == 400, data
+    assert set(data["error"]) == {"message", "type", "param", "code"} and needle in data["error"]["message"]
+    assert "Traceback" not in json.dumps(data)
+
+
+@pytest.mark.parametrize("messages,needle", [
+    ([], "at least one"),
+    ([{"role": "tool", "content": "x"}], "role"),
+    ([{"content": "x"}], "role"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text parts"),
+    ([{"role": "user", "content": 5}], "content"),
+    ("hello", "messages"),
+])
+def test_malformed_chat_bodies_are_400_and_the_server_keeps_serving(served, messages, needle):
+    status, _, data = served.raw("POST", "/v1/chat/completions", json.dumps({"messages": messages}))
+    assert status == 400 and needle in data["error"]["message"], data
+    r = served.client().chat.completions.create(model="localspec", max_tokens=2, messages=[
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}])
+    assert r.usage.completion_tokens == 2
+
+
+def test_body_too_large_is_413(served):
+    status, _, data = served.raw("POST", "/v1/completions", json.dumps({"prompt": "x" * (MAX_BODY + 1)}))
+    assert status == 413 and data["error"]["code"] == "request_too_large", data
+    status, _, data = served.raw("GET", "/nope")
+    assert status == 404 and "error" in data
+    assert served.client().completions.create(model="localspec", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_crashing_generation_is_500_and_the_worker_survives(served, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("secret internals")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(served.session.engine, "generate", boom)
+    status, _, data = served.raw("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert status == 500 and data["error"]["message"] == "internal error: RuntimeError"
+    monkeypatch.undo()
+    assert served.client().completions.create(model="localspec", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+# ----------------------------------------------------------------- one at a time: queue, disconnect
+def test_disconnect_mid_stream_cancels_the_generation(served):
+    before = served.health()["generations"]
+    c = served.client()
+    stream = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=LONG, stream=True)
+    got = 0
+    for _ in stream:
+        got += 1
+        if got == 3:
+            break
+    stream.close()
+    h = served.wait_for(lambda h: h["generations"]["cancelled"] > before["cancelled"], "the stream's generation cancelled")
+    assert h["generations"]["completed"] == before["completed"] and not h["generating"]
+    r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == N
+
+
+def test_disconnect_while_waiting_non_streamed_cancels(served):
+    """A non-streamed request's client that leaves is noticed by polling, and its generation stops."""
+    before = served.health()["generations"]
+    conn = http.client.HTTPConnection(served.host, int(served.port), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": LONG}))
+    served.wait_for(lambda h: h["generating"], "a generation running")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    served.wait_for(lambda h: h["generations"]["cancelled"] > before["cancelled"] and not h["generating"],
+                    "the generation cancelled")
+
+
+def test_queue_full_is_503_with_retry_after(served):
+    c = served.client(max_retries=0)
+    before = served.health()["generations"]
+    running = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=LONG, stream=True)
+    it = iter(running)
+    next(it)  # the first generation is running (out of the queue)
+    queued: dict = {}
+
+    def second():
+        try:
+            queued["r"] = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0)
+        except Exception as exc:  # reported by the assert below
+            queued["r"] = exc
+
+    th = threading.Thread(target=second)
+    th.start()
+    served.wait_for(lambda h: h["queued"] == 1, "one request queued")
+    with pytest.raises(openai.APIStatusError) as e:
+        c.completions.create(model="localspec", prompt="hi", max_tokens=2)
+    assert e.value.status_code == 503 and int(e.value.response.headers["retry-after"]) >= 1
+    assert "busy" in str(e.value)
+    running.close()  # cancels the first; the queued one runs next
+    th.join(60)
+    assert not th.is_alive() and not isinstance(queued["r"], Exception), queued
+    assert queued["r"].usage.completion_tokens == N
+    h = served.health()["generations"]
+    assert h["rejected"] == before["rejected"] + 1 and h["cancelled"] == before["cancelled"] + 1
+
+
+# ----------------------------------------------------------------- the command
+def _start(args, env):
+    p = subprocess.Popen([sys.executable, "-m", "localspec", "serve", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    lines = []
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        line = p.stderr.readline().decode()
+        if not line:
+            break
+        lines.append(line)
+        m = re.match(r"localspec serve: (http://\S+)/v1 \(model (\S+)\)$", line.strip())
+        if m:
+            return p, m.group(1), lines
+    p.kill()
+    raise AssertionError("no ready line: " + "".join(lines) + p.stderr.read().decode())
+
+
+def test_serve_command_api_key_and_exposure_warning(target_path, tmp_path):
+    env = _env(tmp_path / "cfg")
+    env["LOCALSPEC_API_KEY"] = "s3cret"
+    p, url, lines = _start(["-m", str(target_path), "--host", "0.0.0.0", "--port", "0", "--method", "none"], env)
+    try:
+        port = url.rsplit(":", 1)[1]
+        assert url.startswith("http://0.0.0.0:")
+        warn = "".join(lines)
+        assert "warning: listening on 0.0.0.0" in warn and "API key" in warn
+        base = f"http://127.0.0.1:{port}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+        conn = http.client.HTTPConnection("127.0.0.1", int(port), timeout=30)
+        conn.request("GET", "/v1/models")
+        r = conn.getresponse()
+        assert r.status == 401 and json.loads(r.read())["error"]["code"] == "invalid_api_key"
+        conn.request("GET", "/health")  # open without the key
+        r = conn.getresponse()
+        assert r.status == 200 and json.loads(r.read())["status"] == "ok"
+        conn.close()
+        ok = openai.OpenAI(base_url=base, api_key="s3cret")
+        assert ok.models.list().data[0].id == target_path.name
+        assert ok.completions.create(model=target_path.name, prompt="hi", max_tokens=3).usage.completion_tokens == 3
+    finally:
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "localspec serve: stopped" in err.decode() and out == b""
+    assert "Traceback" not in err.decode()
+
+
+def test_serve_loopback_has_no_warning_and_no_auth(target_path, tmp_path):
+    p, url, lines = _start(["-m", str(target_path), "--port", "0", "--method", "none"], _env(tmp_path / "cfg"))
+    try:
+        assert url.startswith("http://127.0.0.1:") and not any("warning" in l for l in lines)
+        c = openai.OpenAI(base_url=url + "/v1", api_key="anything")
+        assert c.completions.create(model="localspec", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+    finally:
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    assert p.returncode == 0 and "stopped" in err.decode()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--queue", "0"], "--queue"),
+    (["--port", "70000"], "port"),
+    (["--api-key", " "], "API key"),
+    (["-t", "-1"], "temperature"),
+])
+def test_serve_usage_errors(target_path, tmp_path, args, needle):
+    r = cli(["serve", "-m", str(target_path), *args], _env(tmp_path / "cfg"), timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("error: ") and needle in err and "Traceback" not in err, err
+
+
+def test_serve_port_in_use_is_one_error_line(target_path, tmp_path):
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        r = cli(["serve", "-m", str(target_path), "--port", str(s.getsockname()[1])], _env(tmp_path / "cfg"))
+    finally:
+        s.close()
+    err = r.stderr.decode().strip()
+    assert r.returncode == 1 and err.startswith("error: cannot listen on") and "\n" not in err, err
+
+
+def test_exposure_warning_text():
+    from localspec.server import exposure_warning
+
+    assert exposure_warning("127.0.0.1", 8080, None) is None
+    assert exposure_warning("localhost", 8080, None) is None
+    assert exposure_warning("::1", 8080, None) is None
+    w = exposure_warning("0.0.0.0", 8080, None)
+    assert "WITHOUT authentication" in w and "--api-key" in w
+    assert "need the API key" in exposure_warning("192.168.1.5", 8080, "k")
