@@ -418,25 +418,8 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name.")],
 def _remote_compat(pair) -> None:
     """Pair check on the GGUF headers, read remotely (HTTP range requests) before fetching gigabytes."""
     from . import download
-    from .compat import first_difference
-    from .gguf_meta import read_metadata, vocab_info
 
-    infos = []
-    for spec in (pair.target, pair.draft):
-        lp = download.local_path(spec)
-        try:
-            if lp is not None:
-                with open(lp, "rb") as fh:
-                    infos.append(vocab_info(read_metadata(fh)))
-            elif spec.path is None and download.hub_reachable() is True:
-                infos.append(vocab_info(read_metadata(download.RemoteFile(spec))))
-            else:
-                return  # unreachable: the pair check runs at load time instead
-        except LocalspecError:
-            raise
-        except Exception:
-            return  # the hub refused the ranged read: the check runs at load time
-    why = first_difference(*infos)
+    why = download.remote_incompatibility(pair.target, pair.draft)
     if why:
         raise UsageError(f"pair {pair.name} cannot speculate: {why} (nothing was downloaded)")
 

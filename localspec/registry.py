@@ -103,7 +103,8 @@ def get(name: str) -> Pair:
     if name in pairs:
         return pairs[name]
     close = difflib.get_close_matches(name, list(pairs), n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see `localspec models list`"
+    hint = (f"; did you mean {', '.join(close)}?" if close
+            else "; see `localspec models list`, or name a hub model as OWNER/REPO[:QUANT]")
     raise UsageError(f"unknown model pair {name!r}{hint}")
 
 
@@ -124,4 +125,31 @@ def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: in
 
 
 def looks_like_path(s: str) -> bool:
-    return s.endswith(".gguf") or os.sep in s or s.startswith((".", "~")) or Path(s).is_file()
+    """An existing file, or a name written as a path (not as a hub name such as OWNER/REPO:QUANT)."""
+    from . import hfname
+
+    if Path(s).expanduser().is_file():
+        return True
+    if hfname.is_hub_name(s):
+        return False
+    return s.endswith(".gguf") or os.sep in s or "/" in s or s.startswith((".", "~"))
+
+
+def resolve_name(s: str):
+    """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path;
+    a pair name wins over a hub name; `A/B` that is neither is a hub repo; anything else written like a path is a
+    (missing) path, and the rest an unknown pair name (UsageError with suggestions)."""
+    from . import hfname
+
+    p = Path(s).expanduser()
+    if p.is_file():
+        return "path", p
+    pairs, _ = load()
+    if s in pairs:
+        return "pair", pairs[s]
+    hub = hfname.parse(s)
+    if hub is not None:
+        return "hub", hub
+    if looks_like_path(s):
+        return "path", p
+    return "pair", get(s)
