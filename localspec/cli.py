@@ -493,25 +493,21 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
 @models_app.command("add")
 def models_add(
     name: Annotated[str, typer.Argument(help="A name for the pair.")],
-    target: Annotated[str, typer.Option("--target", help="Local path or hf://OWNER/REPO/FILE.gguf")],
-    draft: Annotated[Optional[str], typer.Option("--draft", help="Local path or hf://OWNER/REPO/FILE.gguf")] = None,
+    target: Annotated[str, typer.Option("--target", help="Local path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT]")],
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Local path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT]")] = None,
     k: Annotated[int, typer.Option("-k", help="Default draft tokens.")] = 4,
     ctx: Annotated[int, typer.Option("--ctx", help="Default context size.")] = 4096,
     description: Annotated[str, typer.Option("--description")] = "",
 ):
-    """Add your own pair (stored in your user config, never in the shipped file)."""
-    from . import registry
-    from .registry import FileSpec
+    """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
+    from . import download, hfname, registry
 
-    t = FileSpec.parse(target)
-    d = FileSpec.parse(draft) if draft else None
-    if t.path and d is not None and d.path:
-        from .compat import first_difference
-        from .gguf_meta import read_file_metadata, vocab_info
-
-        why = first_difference(vocab_info(read_file_metadata(t.path)), vocab_info(read_file_metadata(d.path)))
-        if why:
-            sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
+    registry.check_name(name)
+    t = hfname.file_spec(target)
+    d = hfname.file_spec(draft) if draft else None
+    why = download.remote_incompatibility(t, d) if d is not None else None  # local files or remote headers
+    if why:
+        sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
     path = registry.add(name, t, d, k=k, ctx=ctx, description=description)
     sys.stderr.write(f"added pair {name} to {path}\n")
 

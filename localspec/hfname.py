@@ -202,3 +202,15 @@ def resolve(h: HubName):
         return FileSpec(repo=h.repo, file=h.file, revision=h.revision)
     f = pick(list_files(h.repo, h.revision), h.repo, h.quant)
     return FileSpec(repo=h.repo, file=f.path, revision=f.revision or h.revision, size=f.size)
+
+
+def file_spec(s: str):
+    """One file for `models add`: a local path, or a hub name (OWNER/REPO[:QUANT] is picked from the listing now,
+    so the pair stores a definite file)."""
+    from .registry import FileSpec
+
+    p = Path(s).expanduser()
+    if p.is_file():
+        return FileSpec(path=str(p.resolve()))
+    h = parse(s)
+    return resolve(h) if h is not None else FileSpec.parse(s)

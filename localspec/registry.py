@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -108,7 +109,21 @@ def get(name: str) -> Pair:
     raise UsageError(f"unknown model pair {name!r}{hint}")
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_name(name: str) -> None:
+    """Pair names: letters, digits, '.', '-', '_', starting with a letter or digit, at most 64 characters, and not
+    ending in .gguf: anything else would be read by -m as a path or a hub name (OWNER/REPO:QUANT)."""
+    if not NAME.fullmatch(name) or name.lower().endswith(".gguf"):
+        raise UsageError(
+            f"invalid pair name {name!r}: use letters, digits, '.', '-' and '_', starting with a letter or digit, "
+            "at most 64 characters, not ending in .gguf"
+        )
+
+
 def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: int = 4096, description: str = "") -> Path:
+    check_name(name)
     shipped, _ = _pairs_from(config.load_toml(shipped_file()), "shipped"), None
     if name in shipped:
         raise UsageError(f"{name!r} is a shipped pair; choose another name")

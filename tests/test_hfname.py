@@ -189,3 +189,14 @@ def test_incompatible_hub_pair_refused_before_download(hub):
     out = json.loads(r.stdout)
     assert out["draft"] is None and "cannot speculate" in out["draft_dropped"]
     assert [l[1] for l in bodies(hub)] == ["/test/tiny/resolve/main/target.gguf"]
+
+
+def test_models_add_with_hub_names(hub):
+    r = cli(["models", "add", "mine", "--target", f"hf.co/{REPO}", "--draft", f"{REPO}:Q8_0"])
+    assert r.returncode == 0, r.stderr
+    pair = registry.get("mine")
+    assert (pair.target.repo, pair.target.file) == (REPO, "tiny-Q4_K_M.gguf")  # a definite file is stored
+    assert pair.draft.file == "tiny-Q8_0.gguf"
+    r = cli(["models", "add", "bad", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/other.gguf"])
+    assert r.returncode == 0 and b"warning: this draft cannot speculate" in r.stderr  # checked on the headers
+    assert bodies(hub) == []

@@ -219,3 +219,22 @@ def test_ctrl_c_during_download_keeps_partial_and_resumes(hub, env):
     r = cli(["models", "pull", "tiny"])
     assert r.returncode == 0, r.stderr
     assert [l[2] for l in hub.log if l[0] == "GET" and l[2]] == [f"bytes={kept}-"]
+
+
+def test_pair_names_validated(env, target_path):
+    """A pair name -m could not read back (empty, a path, a hub name) is refused with one line, exit 2."""
+    for bad in ("", "../../etc", "owner/repo:Q8_0", "model.gguf"):
+        r = cli(["models", "add", bad, "--target", str(target_path)])
+        assert r.returncode == 2, r.stderr
+        err = r.stderr.decode()
+        assert err.startswith(f"error: invalid pair name {bad!r}: use letters, digits") and err.count("\n") == 1
+    for bad in ("a/b", "x:y", "_x", ".hidden", "a" * 65, "a b", "é"):
+        with pytest.raises(UsageError, match="invalid pair name"):
+            registry.add(bad, FileSpec(path=str(target_path)), None)
+    assert not registry.user_pairs_file().exists()  # nothing stored
+
+
+def test_valid_pair_names_accepted(env, target_path):
+    for name in ("my-pair_1.0", "A" * 64, "7b"):
+        registry.add(name, FileSpec(path=str(target_path)), None)
+    assert {"my-pair_1.0", "A" * 64, "7b"} <= set(registry.load()[0])
