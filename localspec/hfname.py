@@ -214,3 +214,48 @@ def file_spec(s: str):
         return FileSpec(path=str(p.resolve()))
     h = parse(s)
     return resolve(h) if h is not None else FileSpec.parse(s)
+
+
+def cached_spec(h: HubName):
+    """The downloaded file a hub name stands for, from the cache alone (no network), for `models rm`."""
+    from . import download
+    from .registry import FileSpec
+
+    if h.file:
+        spec = FileSpec(repo=h.repo, file=h.file, revision=h.revision)
+    else:
+        files = cached_files(h.repo, h.revision)
+        if not any(_is_model_gguf(f.path) for f in files):
+            raise UsageError(f"no GGUF of {h.repo} is downloaded")
+        try:
+            f = pick(files, h.repo, h.quant)
+        except UsageError:
+            raise UsageError(f"{h} is not downloaded; downloaded: "
+                             + ", ".join(f"{h.repo}:{q}" for q in available(files))) from None
+        spec = FileSpec(repo=h.repo, file=f.path, revision=f.revision or h.revision)
+    if download.local_path(spec) is None:
+        raise UsageError(f"{h} is not downloaded")
+    return spec
+
+
+def cached_models() -> list[tuple[str, object]]:
+    """The GGUF models in the local HF cache, as (the name -m takes, FileSpec): `models list` shows those that
+    no pair names, `models rm NAME` deletes them."""
+    from .download import hf_cache
+    from .registry import FileSpec
+
+    out = []
+    for d in sorted(Path(hf_cache()).glob("models--*--*")):
+        repo = d.name[len("models--"):].replace("--", "/", 1)
+        files = cached_files(repo)
+        for f in files:
+            if not _is_model_gguf(f.path):
+                continue
+            q = quant_of(f.path)
+            try:
+                short = q is not None and f.revision is None and pick(files, repo, q).path == f.path
+            except UsageError:
+                short = False
+            name = f"{repo}:{q}" if short else str(HubName(repo, file=f.path, revision=f.revision))
+            out.append((name, FileSpec(repo=repo, file=f.path, revision=f.revision, size=f.size)))
+    return out

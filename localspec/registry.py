@@ -139,6 +139,22 @@ def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: in
     return path
 
 
+def remove(name: str) -> Path:
+    """Delete a user pair's entry from pairs.toml (its files are the caller's business)."""
+    if name in _pairs_from(config.load_toml(shipped_file()), "shipped"):
+        raise UsageError(f"{name!r} is a shipped pair: it cannot be removed, only its downloaded files deleted")
+
+    def upd(data):
+        if name not in (data.get("pairs") or {}):
+            get(name)  # unknown: the usual error with suggestions
+            raise UsageError(f"{name!r} is not in {user_pairs_file()}")
+        del data["pairs"][name]
+
+    path = user_pairs_file()
+    config.update_file(path, upd)
+    return path
+
+
 def looks_like_path(s: str) -> bool:
     """An existing file, or a name written as a path (not as a hub name such as OWNER/REPO:QUANT)."""
     from . import hfname

@@ -200,3 +200,22 @@ def test_models_add_with_hub_names(hub):
     r = cli(["models", "add", "bad", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/other.gguf"])
     assert r.returncode == 0 and b"warning: this draft cannot speculate" in r.stderr  # checked on the headers
     assert bodies(hub) == []
+
+
+def test_hub_models_pulled_listed_and_removed(hub):
+    """`models pull` takes a hub name; the model shows in `models list --local` under that name, and `models rm NAME`
+    deletes it."""
+    r = cli(["models", "pull", f"{REPO}:Q8_0"])
+    assert r.returncode == 0, r.stderr
+    p = download.local_path(hfname.resolve(parse(f"{REPO}:Q8_0")))
+    assert p is not None and r.stderr.decode().strip().endswith(f"model: {p}")
+    rows = json.loads(cli(["models", "list", "--local", "--json"]).stdout)
+    assert [(r["name"], r["source"], r["target"]["path"]) for r in rows] == [(f"{REPO}:Q8_0", "hub cache", str(p))]
+    r = cli(["models", "rm", f"{REPO}:Q4_K_M", "--yes"])
+    assert r.returncode == 2 and r.stderr.decode().startswith(f"error: {REPO}:Q4_K_M is not downloaded")
+    r = cli(["models", "rm", f"hf.co/{REPO}:q8_0"])
+    assert r.returncode == 2 and b"--yes" in r.stderr and p.exists()
+    r = cli(["models", "rm", f"hf.co/{REPO}:q8_0", "--yes"])
+    assert r.returncode == 0 and not p.exists()
+    assert json.loads(cli(["models", "list", "--local", "--json"]).stdout) == []
+    assert bodies(hub) == [("GET", f"/{REPO}/resolve/main/tiny-Q8_0.gguf", None)]  # rm and list stay offline
