@@ -468,10 +468,14 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
         lp = None if keep_files or s is None or s.path else download.local_path(s)
         if lp is not None:
             (shared if lp in others else present).append((s, lp))
-    for _, lp in shared:
-        sys.stderr.write(f"keeping {lp}: another pair uses it\n")
+
+    def keeping() -> None:
+        for _, lp in shared:
+            sys.stderr.write(f"keeping {lp}: another pair uses it\n")
+
     if not present and not drop_entry:
-        sys.stderr.write(f"{name}: nothing downloaded\n")
+        keeping()
+        sys.stderr.write(f"{name}: nothing {'else ' if shared else ''}downloaded\n")
         return
     what = [f"remove pair {name} from {registry.user_pairs_file()}"] if drop_entry else []
     if present:
@@ -482,6 +486,7 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
             raise UsageError(f"refusing to {' and '.join(what)} without confirmation; pass --yes")
         if not typer.confirm(" and ".join(what) + "?", err=True):
             raise typer.Exit(1)
+    keeping()
     if drop_entry:
         registry.remove(name)
         sys.stderr.write(f"removed pair {name}\n")

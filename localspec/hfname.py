@@ -36,7 +36,7 @@ class HubName:
         rev = f"@{self.revision}" if self.revision else ""
         if self.file:
             return f"hf://{self.repo}/{self.file}{rev}"
-        return f"{self.repo}:{self.quant or DEFAULT_QUANT}{rev}"
+        return f"{self.repo}:{(self.quant or DEFAULT_QUANT).upper()}{rev}"
 
 
 @dataclass(frozen=True)

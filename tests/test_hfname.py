@@ -92,7 +92,7 @@ def test_settings_and_tune_key_accept_hub_names(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
     s = resolve_settings({"model": "hf.co/a/b:q8_0"})
     assert s["model"].value == "hf.co/a/b:q8_0" and s["draft_tokens"].source == "default"
-    assert tuned_key("hf.co/a/b:q8_0", None) == "a/b:q8_0"
+    assert tuned_key("hf.co/a/b:q8_0", None) == "a/b:Q8_0"
     assert tuned_key("a/b", None) == "a/b:Q4_K_M"
 
 

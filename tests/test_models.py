@@ -246,7 +246,8 @@ def test_models_rm_and_list_local(hub, env, target_path):
     assert cli(["models", "add", "tiny", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/draft.gguf"]).returncode == 0
     assert cli(["models", "add", "solo", "--target", "hf://test/tiny/target.gguf"]).returncode == 0
     assert cli(["models", "add", "mine", "--target", str(target_path)]).returncode == 0
-    assert json.loads(cli(["models", "list", "--local", "--json"]).stdout) == []  # nothing downloaded yet
+    local = [p["name"] for p in json.loads(cli(["models", "list", "--local", "--json"]).stdout)]
+    assert local == ["mine"]  # a local file; nothing downloaded yet
     assert cli(["models", "pull", "tiny"]).returncode == 0
     local = {p["name"] for p in json.loads(cli(["models", "list", "--local", "--json"]).stdout)}
     assert local == {"tiny", "solo", "mine"}  # solo shares tiny's target; mine is a local file
