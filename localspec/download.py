@@ -392,6 +392,37 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def remote_incompatibility(target: FileSpec, draft: FileSpec) -> str | None:
+    """Why `draft` cannot speculate for `target`, read from the two GGUF headers before anything is downloaded:
+    a local copy when there is one, else the hub with HTTP range requests. None when the pair is compatible, or
+    when it cannot be checked now (offline, hub unreachable, ranged read refused): the load-time check remains."""
+    from .compat import first_difference
+    from .errors import LocalspecError
+    from .gguf_meta import read_metadata, vocab_info
+
+    infos = []
+    reach = None
+    for spec in (target, draft):
+        lp = local_path(spec)
+        try:
+            if lp is not None:
+                with open(lp, "rb") as fh:
+                    infos.append(vocab_info(read_metadata(fh)))
+                continue
+            if spec.path is not None or offline():
+                return None
+            if reach is None:
+                reach = hub_reachable()
+            if reach is not True:
+                return None
+            infos.append(vocab_info(read_metadata(RemoteFile(spec))))
+        except LocalspecError:
+            raise
+        except Exception:
+            return None  # the hub refused the ranged read: the check runs at load time
+    return first_difference(*infos)
+
+
 class RemoteFile:
     """Read-only, seekless file over HTTP range requests (1 MiB blocks): enough to parse a GGUF header
     without downloading the file."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -103,11 +104,26 @@ def get(name: str) -> Pair:
     if name in pairs:
         return pairs[name]
     close = difflib.get_close_matches(name, list(pairs), n=3, cutoff=0.4)
-    hint = f"; did you mean {', '.join(close)}?" if close else "; see `localspec models list`"
+    hint = (f"; did you mean {', '.join(close)}?" if close
+            else "; see `localspec models list`, or name a hub model as OWNER/REPO[:QUANT]")
     raise UsageError(f"unknown model pair {name!r}{hint}")
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_name(name: str) -> None:
+    """Pair names: letters, digits, '.', '-', '_', starting with a letter or digit, at most 64 characters, and not
+    ending in .gguf: anything else would be read by -m as a path or a hub name (OWNER/REPO:QUANT)."""
+    if not NAME.fullmatch(name) or name.lower().endswith(".gguf"):
+        raise UsageError(
+            f"invalid pair name {name!r}: use letters, digits, '.', '-' and '_', starting with a letter or digit, "
+            "at most 64 characters, not ending in .gguf"
+        )
+
+
 def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: int = 4096, description: str = "") -> Path:
+    check_name(name)
     shipped, _ = _pairs_from(config.load_toml(shipped_file()), "shipped"), None
     if name in shipped:
         raise UsageError(f"{name!r} is a shipped pair; choose another name")
@@ -123,5 +139,48 @@ def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: in
     return path
 
 
+def remove(name: str) -> Path:
+    """Delete a user pair's entry from pairs.toml (its files are the caller's business)."""
+    if name in _pairs_from(config.load_toml(shipped_file()), "shipped"):
+        raise UsageError(f"{name!r} is a shipped pair: it cannot be removed, only its downloaded files deleted")
+
+    def upd(data):
+        if name not in (data.get("pairs") or {}):
+            get(name)  # unknown: the usual error with suggestions
+            raise UsageError(f"{name!r} is not in {user_pairs_file()}")
+        del data["pairs"][name]
+
+    path = user_pairs_file()
+    config.update_file(path, upd)
+    return path
+
+
 def looks_like_path(s: str) -> bool:
-    return s.endswith(".gguf") or os.sep in s or s.startswith((".", "~")) or Path(s).is_file()
+    """An existing file, or a name written as a path (not as a hub name such as OWNER/REPO:QUANT)."""
+    from . import hfname
+
+    if Path(s).expanduser().is_file():
+        return True
+    if hfname.is_hub_name(s):
+        return False
+    return s.endswith(".gguf") or os.sep in s or "/" in s or s.startswith((".", "~"))
+
+
+def resolve_name(s: str):
+    """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path;
+    a pair name wins over a hub name; `A/B` that is neither is a hub repo; anything else written like a path is a
+    (missing) path, and the rest an unknown pair name (UsageError with suggestions)."""
+    from . import hfname
+
+    p = Path(s).expanduser()
+    if p.is_file():
+        return "path", p
+    pairs, _ = load()
+    if s in pairs:
+        return "pair", pairs[s]
+    hub = hfname.parse(s)
+    if hub is not None:
+        return "hub", hub
+    if looks_like_path(s):
+        return "path", p
+    return "pair", get(s)

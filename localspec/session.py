@@ -31,16 +31,23 @@ def tuned_results() -> dict:
 
 
 def pair_for(model: str | None):
-    """The registry pair a model setting names, or None for a path."""
+    """The registry pair a model setting names, or None for a path or a hub name."""
     from . import registry
 
-    if not model or registry.looks_like_path(model):
+    if not model:
         return None
-    return registry.get(model)
+    kind, obj = registry.resolve_name(model)
+    return obj if kind == "pair" else None
 
 
 def tuned_key(model: str, pair) -> str:
-    return pair.name if pair is not None else Path(model).name
+    from . import hfname
+
+    if pair is not None:
+        return pair.name
+    if hfname.is_hub_name(model) and not Path(model).expanduser().is_file():
+        return str(hfname.parse(model))
+    return Path(model).name
 
 
 def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
@@ -145,6 +152,7 @@ class Session:
         self.target_path: Path | None = None
         self.draft_path: Path | None = None
         self.chat_template: str | None = None  # a Jinja template that replaces the target's own (--chat-template)
+        self.dropped_draft: str | None = None  # why resolve_models left out an incompatible draft (--method auto)
 
     # ------------------------------------------------------------ settings
     def settings(self) -> dict[str, Setting]:
@@ -179,34 +187,49 @@ class Session:
 
     # ------------------------------------------------------------ models
     def resolve_models(self) -> tuple[Path, Path | None, Any]:
-        """(target path, draft path or None, pair or None). A pair's files are fetched on first use."""
-        from . import download, registry
+        """(target path, draft path or None, pair or None). -m/-d name a path, a pair or a hub model
+        (hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT]); hub files are fetched on first use. When a file must be
+        downloaded, the pair check runs first on the GGUF headers: an incompatible draft is an error before any
+        download, or, with --method auto, is dropped without being downloaded (the reason in dropped_draft)."""
+        from . import download, hfname, registry
+        from .registry import FileSpec
 
         v = self.values()
         model, draft, method = v["model"], v["draft"], v["method"]
+        self.dropped_draft = None
 
-        def local(path: str, role: str) -> Path:
-            p = Path(path).expanduser()
-            if not p.is_file():
-                raise UsageError(f"{role} file not found: {path}")
-            return p
+        def spec_for(name: str, role: str):
+            """(FileSpec, the pair it came from or None)."""
+            kind, obj = registry.resolve_name(name)
+            if kind == "pair":
+                return (obj.draft or obj.target) if role == "draft" else obj.target, obj
+            if kind == "path":
+                if not obj.is_file():
+                    hint = f" (a hub file is written hf://{name})" if name.count("/") >= 2 and name[0] not in "./~" else ""
+                    raise UsageError(f"{role} file not found: {name}{hint}")
+                return FileSpec(path=str(obj)), None
+            spec = hfname.resolve(obj)
+            if self.announce:
+                self.announce(f"{name}: {spec.repo}/{spec.file}")
+            return spec, None
 
-        pair = None
-        if registry.looks_like_path(model):
-            target = local(model, "model")
-        else:
-            pair = registry.get(model)
-            target = download.ensure(pair.target, quiet=self.quiet)
-        draft_path = None
+        tspec, pair = spec_for(model, "model")
+        dspec = dpair = None
         if method != "none":
             if draft:
-                if registry.looks_like_path(draft):
-                    draft_path = local(draft, "draft")
-                else:
-                    dp = registry.get(draft)
-                    draft_path = download.ensure(dp.draft or dp.target, quiet=self.quiet)
+                dspec, dpair = spec_for(draft, "draft")
             elif pair is not None and pair.draft is not None and method in ("auto", "draft"):
-                draft_path = download.ensure(pair.draft, quiet=self.quiet)
+                dspec, dpair = pair.draft, pair
+        vetted = pair is not None and dpair is pair and pair.source == "shipped"  # shipped pairs are checked
+        if dspec is not None and not vetted and (download.local_path(tspec) is None or download.local_path(dspec) is None):
+            why = download.remote_incompatibility(tspec, dspec)
+            if why:
+                msg = f"draft {Path(dspec.label).name} cannot speculate for {Path(tspec.label).name}: {why}"
+                if method != "auto":
+                    raise UsageError(f"{msg} (nothing was downloaded)")
+                self.dropped_draft, dspec = msg, None
+        target = download.ensure(tspec, quiet=self.quiet)
+        draft_path = download.ensure(dspec, quiet=self.quiet) if dspec is not None else None
         return target, draft_path, pair
 
     def load(self):
@@ -223,6 +246,8 @@ class Session:
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
             rpc=v.get("rpc"), tensor_split=v.get("tensor_split"), chat_template=self.chat_template,
         )
+        if engine.dropped_draft is None and self.dropped_draft:
+            engine.dropped_draft = self.dropped_draft  # dropped before its download
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft
         return engine

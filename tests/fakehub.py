@@ -1,7 +1,8 @@
 """A local stand-in for the Hugging Face hub's file endpoints and a PyPI simple index, on 127.0.0.1.
 
 Hub: HEAD/GET /{owner}/{repo}/resolve/{revision}/{file} with X-Repo-Commit, ETag (sha256), Content-Length and
-Range support. Index: /simple/{name}/ and /files/{wheel} (PEP 503), for the pypi-chunks mirrors."""
+Range support; GET /api/models/{owner}/{repo}/tree/{revision}?recursive=...
+(huggingface_hub's HfApi.list_repo_tree / list_repo_files) lists a repo's files. Index: /simple/{name}/ and /files/{wheel} (PEP 503), for the pypi-chunks mirrors."""
 
 from __future__ import annotations
 
@@ -64,6 +65,21 @@ class FakeHub:
                 if not head:
                     self.wfile.write(body)
 
+            def _tree(self, head):
+                import json
+
+                m = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/?]+)", self.path)
+                repo = m and m.group(1)
+                if hub.fail_hub:
+                    return self._send(500, b"error", head=head)
+                if not m or not any(r == repo for r, _ in hub.files):
+                    return self._send(404, b'{"error":"Repository not found"}', {"X-Error-Code": "RepoNotFound"}, head)
+                entries = [{"type": "file", "path": p, "size": len(d), "oid": hashlib.sha1(d).hexdigest(),
+                            "lfs": {"oid": hashlib.sha256(d).hexdigest(), "size": len(d), "pointerSize": 134}}
+                           for (r, p), d in sorted(hub.files.items()) if r == repo]
+                body = json.dumps(entries).encode()
+                return self._send(200, body, {"Content-Type": "application/json"}, head)
+
             def _serve(self, head):
                 rng = self.headers.get("Range")
                 hub.log.append(("HEAD" if head else "GET", self.path, rng))
@@ -81,6 +97,8 @@ class FakeHub:
                         if f == fname:
                             return self._send(200, data, {"Content-Type": "application/octet-stream"}, head)
                     return self._send(404, b"", head=head)
+                if self.path.startswith("/api/models/"):
+                    return self._tree(head)
                 key = self._file()
                 if key is None or hub.fail_hub:
                     return self._send(500 if hub.fail_hub else 404, b"error", head=head)

@@ -153,7 +153,7 @@ def test_models_commands(hub, target_path, env):
     assert r.returncode == 0 and json.loads(r.stdout)["draft"] == "draft.gguf"
     r = cli(["models", "rm", "tiny"])  # no terminal to ask on: refuses
     assert r.returncode == 2 and b"--yes" in r.stderr
-    assert cli(["models", "rm", "tiny", "--yes"]).returncode == 0
+    assert cli(["models", "rm", "tiny", "--yes", "--files-only"]).returncode == 0
     tiny = next(p for p in json.loads(cli(["models", "list", "--json"]).stdout) if p["name"] == "tiny")
     assert not tiny["target"]["downloaded"]
     # bad inputs: one line, non-zero
@@ -233,3 +233,54 @@ def test_ctrl_c_during_download_keeps_partial_and_resumes(hub, env):
     r = cli(["models", "pull", "tiny"])
     assert r.returncode == 0, r.stderr
     assert [l[2] for l in hub.log if l[0] == "GET" and l[2]] == [f"bytes={kept}-"]
+
+
+def test_pair_names_validated(env, target_path):
+    """A pair name -m could not read back (empty, a path, a hub name) is refused with one line, exit 2."""
+    for bad in ("", "../../etc", "owner/repo:Q8_0", "model.gguf"):
+        r = cli(["models", "add", bad, "--target", str(target_path)])
+        assert r.returncode == 2, r.stderr
+        err = r.stderr.decode()
+        assert err.startswith(f"error: invalid pair name {bad!r}: use letters, digits") and err.count("\n") == 1
+    for bad in ("a/b", "x:y", "_x", ".hidden", "a" * 65, "a b", "é"):
+        with pytest.raises(UsageError, match="invalid pair name"):
+            registry.add(bad, FileSpec(path=str(target_path)), None)
+    assert not registry.user_pairs_file().exists()  # nothing stored
+
+
+def test_valid_pair_names_accepted(env, target_path):
+    for name in ("my-pair_1.0", "A" * 64, "7b"):
+        registry.add(name, FileSpec(path=str(target_path)), None)
+    assert {"my-pair_1.0", "A" * 64, "7b"} <= set(registry.load()[0])
+
+
+def test_models_rm_and_list_local(hub, env, target_path):
+    """rm of a user pair removes its entry and its downloaded files (asks; --yes); files another pair uses stay;
+    a shipped pair keeps its entry; list --local shows only what is downloaded."""
+    assert cli(["models", "add", "tiny", "--target", "hf://test/tiny/target.gguf", "--draft", "hf://test/tiny/draft.gguf"]).returncode == 0
+    assert cli(["models", "add", "solo", "--target", "hf://test/tiny/target.gguf"]).returncode == 0
+    assert cli(["models", "add", "mine", "--target", str(target_path)]).returncode == 0
+    local = [p["name"] for p in json.loads(cli(["models", "list", "--local", "--json"]).stdout)]
+    assert local == ["mine"]  # a local file; nothing downloaded yet
+    assert cli(["models", "pull", "tiny"]).returncode == 0
+    local = {p["name"] for p in json.loads(cli(["models", "list", "--local", "--json"]).stdout)}
+    assert local == {"tiny", "solo", "mine"}  # solo shares tiny's target; mine is a local file
+    assert "tiny" in cli(["models", "list", "--local"]).stdout.decode() and "qwen2.5" not in cli(["models", "list", "--local"]).stdout.decode()
+    r = cli(["models", "rm", "tiny"])  # no terminal to ask on: refuses, changes nothing
+    assert r.returncode == 2 and r.stderr.decode().startswith("error: refusing to remove pair tiny from ") and b"--yes" in r.stderr
+    assert "tiny" in registry.load()[0]
+    r = cli(["models", "rm", "tiny", "--yes"])
+    assert r.returncode == 0, r.stderr
+    err = r.stderr.decode()
+    assert "removed pair tiny" in err and "keeping " in err and "another pair uses it" in err
+    assert "tiny" not in registry.load()[0]
+    assert download.local_path(spec("draft.gguf")) is None  # tiny's own draft: deleted
+    assert download.local_path(spec("target.gguf")) is not None  # solo's target: kept
+    r = cli(["models", "rm", "mine", "--yes"])  # a local file is never deleted
+    assert r.returncode == 0 and target_path.is_file() and "mine" not in registry.load()[0]
+    r = cli(["models", "rm", "solo", "--yes", "--keep-files"])
+    assert r.returncode == 0 and download.local_path(spec("target.gguf")) is not None and "solo" not in registry.load()[0]
+    r = cli(["models", "rm", "qwen2.5-coder-1.5b", "--yes"])  # shipped: only files, and there are none
+    assert r.returncode == 0 and b"nothing downloaded" in r.stderr and "qwen2.5-coder-1.5b" in registry.load()[0]
+    r = cli(["models", "rm", "qwen2.5-coder-1.5b", "--keep-files"])
+    assert r.returncode == 2 and b"not a pair you added" in r.stderr
