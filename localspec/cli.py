@@ -65,8 +65,8 @@ def _root(
 
 
 # ----------------------------------------------------------------- shared options
-ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Pair name or target GGUF path.", show_default=False)]
-DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft GGUF path, or a pair name (its draft).", show_default=False)]
+ModelOpt = Annotated[Optional[str], typer.Option("-m", "--model", help="Pair name, hub model (OWNER/REPO[:QUANT], hf://OWNER/REPO/FILE.gguf) or target GGUF path.", show_default=False)]
+DraftOpt = Annotated[Optional[str], typer.Option("-d", "--draft", help="Draft: hub model (OWNER/REPO[:QUANT], hf://…), GGUF path, or a pair name (its draft).", show_default=False)]
 MethodOpt = Annotated[Optional[str], typer.Option("--method", help="auto | draft | lookup | none.", show_default=False)]
 KOpt = Annotated[Optional[int], typer.Option("-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use).", show_default=False)]
 TempOpt = Annotated[Optional[float], typer.Option("-t", "--temperature", help="0 = greedy (default).", show_default=False)]

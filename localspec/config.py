@@ -20,8 +20,8 @@ from .errors import UsageError
 
 # key: (type, default, help)
 SETTINGS: dict[str, tuple[type, Any, str]] = {
-    "model": (str, "qwen2.5-coder-1.5b", "pair name or target GGUF path"),
-    "draft": (str, None, "draft GGUF path or pair name"),
+    "model": (str, "qwen2.5-coder-1.5b", "pair name, hub model (OWNER/REPO[:QUANT], hf://…) or target GGUF path"),
+    "draft": (str, None, "draft: hub model, GGUF path or pair name"),
     "method": (str, "auto", "auto | draft | lookup | none"),
     "draft_tokens": (int, None, "k: draft tokens per step (default: the pair's k, else 4; auto: the most it may use)"),
     "p_min": (float, 0.75, "draft model stops drafting when its top probability falls below this"),
