@@ -20,8 +20,8 @@ from .errors import UsageError
 
 # key: (type, default, help)
 SETTINGS: dict[str, tuple[type, Any, str]] = {
-    "model": (str, "qwen2.5-coder-1.5b", "pair name or target GGUF path"),
-    "draft": (str, None, "draft GGUF path or pair name"),
+    "model": (str, "qwen2.5-coder-1.5b", "pair name, hub model (OWNER/REPO[:QUANT], hf://…) or target GGUF path"),
+    "draft": (str, None, "draft: hub model, GGUF path or pair name"),
     "method": (str, "auto", "auto | draft | lookup | none"),
     "exactness": (str, "auto", "bit (output identical to one-token decoding; k capped) | lossless (k uncapped; only "
                                "float reduction order differs) | auto (bit when the cap leaves >= 2 draft tokens)"),
