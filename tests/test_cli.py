@@ -193,7 +193,7 @@ def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, mo
     d = json.loads(out)
     assert d["exactness"] == "lossless" and d["exactness_reason"].startswith("lossless: bit-exact verify needs k <= 0")
     assert d["drafted"] > 0 and d["steps_by_k"].get("4", 0) > 0
-    code, out, err = run_main(base + ["--exactness", "bit"], capsys, monkeypatch)
+    code, out, err = run_main(base + ["--exactness", "bit", "-v"], capsys, monkeypatch)
     assert code == 0 and "bit: verify batches of 2 or more rows are not bit-identical" in err  # the summary line
     code, out, err = run_main(base + ["--exactness", "close-enough"], capsys, monkeypatch)
     assert code == 2 and err.startswith("error: unknown exactness")

@@ -12,14 +12,15 @@ AVX2 = "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C
 AVX512 = AVX2 + " -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
 
 
-def flags(tmp_path, os_name, arch, cpu_flags="", nvcc=False, cmake_args=None):
+def flags(tmp_path, os_name, arch, cpu_flags="", nvcc=False, cmake_args=None, gpu=True, extra=None):
     bin_ = tmp_path / "bin"
     bin_.mkdir(exist_ok=True)
     tools = {"uname": f'case "$1" in -s) echo {os_name};; -m) echo {arch};; *) echo {os_name};; esac',
              "python": 'echo "the script tried to build" >&2; exit 99'}
     if nvcc:
         tools["nvcc"] = "exit 0"
-    for name in ("uname", "python", "nvcc"):
+        tools["nvidia-smi"] = 'echo "GPU 0: NVIDIA H200 (UUID: GPU-0)"' if gpu else "echo 'No devices were found'; exit 6"
+    for name in ("uname", "python", "nvcc", "nvidia-smi"):
         (bin_ / name).unlink(missing_ok=True)
     for name, body in tools.items():
         (bin_ / name).write_text("#!/bin/sh\n" + body + "\n")
@@ -29,6 +30,7 @@ def flags(tmp_path, os_name, arch, cpu_flags="", nvcc=False, cmake_args=None):
     env = {"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path), "LOCALSPEC_CPUINFO": str(cpuinfo)}
     if cmake_args is not None:
         env["CMAKE_ARGS"] = cmake_args
+    env.update(extra or {})
     r = subprocess.run(["bash", str(SCRIPT), "--print-flags"], capture_output=True, env=env, timeout=30)
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode().strip()
@@ -46,6 +48,15 @@ def flags(tmp_path, os_name, arch, cpu_flags="", nvcc=False, cmake_args=None):
 ])
 def test_flags_per_platform(tmp_path, os_name, arch, cpu, nvcc, want):
     assert flags(tmp_path, os_name, arch, cpu, nvcc) == want
+
+
+def test_nvcc_without_a_gpu_builds_for_the_cpu(tmp_path):
+    """CI machines carry the CUDA toolkit but no GPU: a CUDA build there only costs time."""
+    assert flags(tmp_path, "Linux", "x86_64", "avx2 avx512f", nvcc=True).startswith("-DGGML_CUDA=ON")
+    assert "CUDA" not in flags(tmp_path, "Linux", "x86_64", "avx2 avx512f", nvcc=True, gpu=False)
+    forced = flags(tmp_path, "Linux", "x86_64", "avx2 avx512f", nvcc=True, gpu=False, extra={"LOCALSPEC_CUDA": "1"})
+    assert forced.startswith("-DGGML_CUDA=ON")
+    assert "CUDA" not in flags(tmp_path, "Linux", "x86_64", "avx2 avx512f", nvcc=True, extra={"LOCALSPEC_CUDA": "0"})
 
 
 def test_user_cmake_args_win(tmp_path):
