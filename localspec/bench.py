@@ -352,26 +352,28 @@ def bars(rows: list[dict], width: int = 30) -> str:
 
 
 def print_report(rows: list[dict], console=None) -> None:
+    """The report table: rich on a terminal, plain aligned columns (nothing cut) into a pipe or a file."""
     from rich.console import Console
-    from rich.table import Table
+
+    from .output import print_table
 
     console = console or Console(stderr=True)
-    t = Table(title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
-    for col in ("config", "k eff", "exactness", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept",
-                "len", "speedup", "ideal", "meas/ideal", "identical", "div pos"):
-        t.add_column(col, justify="right" if col not in ("config", "exactness", "category") else "left")
+    cols = ["config", "k eff", "exactness", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept",
+            "len", "speedup", "ideal", "meas/ideal", "identical", "div pos"]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    table = []
     for r in rows:
         spec = r["method"] != "none"
         share = r["identical_share"]
         ident = "-" if share is None or not spec else ("[red]" if r["bugs"] else "") + f"{share:.0%}" + ("[/red]" if r["bugs"] else "")
-        t.add_row(r["config"], str(r["k_effective"]) if spec else "-", (r["exactness"] or "-") if spec else "-", r["category"],
-                  f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
-                  f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
-                  f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
-                  f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"), ident,
-                  f(r["median_divergence"], "g"))
-    console.print(t)
+        table.append([r["config"], str(r["k_effective"]) if spec else "-", (r["exactness"] or "-") if spec else "-", r["category"],
+                      f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
+                      f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
+                      f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
+                      f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"), ident,
+                      f(r["median_divergence"], "g")])
+    print_table(cols, table, file=console.file, right=[c for c in cols if c not in ("config", "exactness", "category")],
+                title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
     console.print(bars([r for r in rows if r["method"] != "none"]))
     for r in rows:
         if r["category"] == "all":

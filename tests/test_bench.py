@@ -185,3 +185,17 @@ def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, mo
     data = json.loads(out_j.read_text())  # the report is written before the exit
     row = next(s for s in data["summary"] if s["config"] == "draft k=2" and s["category"] == "all")
     assert row["bugs"] == 2 and row["exactness"] == "bit" and {m["kind"] for m in row["mismatches"]} == {"bug"}
+
+
+def test_report_into_a_pipe_keeps_every_cell():
+    """#11 finding 5: `localspec bench > file` cut every cell ("co…", "15…")."""
+    import io
+
+    from rich.console import Console
+
+    results = [rr("none", "none", 0, "code_edit", 15.123), rr("lookup k=8", "lookup", 8, "code_edit", 19.987, 1.3216, True, 20, 10)]
+    buf = io.StringIO()
+    B.print_report(B.summarize(results), Console(file=buf, width=80))
+    out = buf.getvalue()
+    assert "…" not in out and "code_edit" in out and "lookup k=8" in out and "1.32x" in out and "20.0" in out and "15.1" in out
+    assert "\x1b[" not in out and "[red]" not in out
