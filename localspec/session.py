@@ -22,8 +22,6 @@ from .errors import UsageError
 
 # keys `localspec tune` stores -> setting names
 TUNED_KEYS = {"method": "method", "k": "draft_tokens", "p_min": "p_min"}
-MAX_THREADS_FACTOR = 4  # threads beyond 4x the cores only make llama.cpp's spinning threads fight
-MAX_THREADS = 512
 
 
 def tuned_results() -> dict:
@@ -88,11 +86,9 @@ def validate(v: dict[str, Any]) -> None:
 
     if v.get("method") not in METHODS:
         raise UsageError(f"unknown method {v.get('method')!r}; choose one of {', '.join(METHODS)}")
-    t = v.get("threads")
-    if t is not None:
-        cap = max_threads()
-        if not 1 <= t <= cap:
-            raise UsageError(f"threads must be between 1 and {cap}, got {t}")
+    from .backend import check_threads
+
+    check_threads(v.get("threads"))
     ctx = v.get("ctx_size")
     if ctx is not None and ctx < 16:
         raise UsageError(f"context size must be >= 16, got {ctx}")
@@ -104,16 +100,6 @@ def validate(v: dict[str, Any]) -> None:
     if seed is not None and not 0 <= seed < 2**63:
         raise UsageError(f"seed must be between 0 and 2^63-1, got {seed}")
     gen_config(v)  # k, sampling and lookup ranges
-
-
-def max_threads() -> int:
-    from os import cpu_count
-
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS
-        cores = cpu_count() or 1
-    return min(MAX_THREADS, MAX_THREADS_FACTOR * cores)
 
 
 def gen_config(v: dict[str, Any], stop=None):
