@@ -200,3 +200,20 @@ def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, mo
     monkeypatch.setenv("LOCALSPEC_EXACTNESS", "bit")  # the config key, from the environment
     code, out, err = run_main(base + ["--json"], capsys, monkeypatch)
     assert code == 0 and json.loads(out)["exactness"] == "bit" and json.loads(out)["drafted"] == 0
+
+
+def test_json_rate_is_a_number_even_for_a_fast_answer():
+    """CI regression: 12 tokens in under 50 ms gave "tokens_per_second": null (the live display's noise floor)."""
+    from types import SimpleNamespace
+
+    from localspec.cli import result_json
+    from localspec.server import localspec_stats
+    from localspec.stats import Stats
+    from localspec.engine import GenConfig
+
+    st = Stats(completion_tokens=12, elapsed_s=0.02)
+    eng = SimpleNamespace(target=SimpleNamespace(name="t.gguf"), draft=None, dropped_draft=None)
+    fin = SimpleNamespace(text="x", finish_reason="length")
+    d = result_json(fin, st, eng, GenConfig())
+    assert d["tokens_per_second"] == pytest.approx(600.0)
+    assert localspec_stats(st, GenConfig())["tokens_per_second"] == pytest.approx(600.0)

@@ -426,3 +426,33 @@ def test_exposure_warning_text():
     w = exposure_warning("0.0.0.0", 8080, None)
     assert "WITHOUT authentication" in w and "--api-key" in w
     assert "need the API key" in exposure_warning("192.168.1.5", 8080, "k")
+
+
+def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
+    """CI regression: on a fast machine tokens arrive more often than POLL_S, and the disconnect check only ran
+    when the wait timed out, so a non-streamed request's generation ran on after its client had gone."""
+    import asyncio
+
+    from localspec import server as S
+    from localspec.engine import GenConfig
+
+    class GoneRequest:
+        checks = 0
+
+        async def is_disconnected(self):
+            GoneRequest.checks += 1
+            return True
+
+    async def main():
+        job = S.Job(lambda e: [], GenConfig(), asyncio.get_running_loop(), asyncio.Queue())
+        for i in range(100_000):
+            job.events.put_nowait(i)
+        end = time.monotonic() + 5 * S.POLL_S + 1.0
+        while time.monotonic() < end:
+            await S.next_event(GoneRequest(), job)
+            await asyncio.sleep(0.001)  # a token every millisecond
+        return job
+
+    with pytest.raises(S.ClientGone):
+        asyncio.run(main())
+    assert GoneRequest.checks >= 1
