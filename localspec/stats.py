@@ -104,6 +104,13 @@ class Stats:
             return None
         return self.tokens_per_second
 
+    def measured_rate(self) -> float | None:
+        """tokens/s for machine-readable output: None under MIN_RATE_TOKENS (one token has no rate), otherwise the
+        measured figure, however short the answer (a fast machine finishes 12 tokens in under MIN_RATE_S)."""
+        if self.completion_tokens < self.MIN_RATE_TOKENS or self.generation_s <= 0:
+            return None
+        return self.tokens_per_second
+
     def recent_rate(self, window_s: float = 2.0, now: float | None = None) -> float | None:
         """tokens/s over the last `window_s` seconds of the answer (for the sparkline); None on too small a sample."""
         end = (time.perf_counter() if now is None else now) if self.running else self.started + self.elapsed_s

@@ -217,3 +217,5 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     d = result_json(fin, st, eng, GenConfig())
     assert d["tokens_per_second"] == pytest.approx(600.0)
     assert localspec_stats(st, GenConfig())["tokens_per_second"] == pytest.approx(600.0)
+    one = Stats(completion_tokens=1, elapsed_s=0.02)  # one token has no rate (#15.14)
+    assert result_json(fin, one, eng, GenConfig())["tokens_per_second"] is None
