@@ -66,6 +66,8 @@ class RunResult:
     mismatch_margin: float | None = None  # the target's top-2 logit margin there, one token at a time
     mismatch_deviation: float | None = None  # measured batch-vs-single |Δlogit| for the run's batch sizes
     mismatch_kind: str | None = None  # numeric (a near-tie flipped by float order) | bug
+    draft_model_steps: int = 0  # drafting steps whose drafts came from the draft model (the rest: lookup)
+    drafting_steps: int = 0
     tokens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -245,6 +247,7 @@ def run_bench(
             acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
             draft_s=st.draft_s, verify_s=st.verify_s, target_passes=st.target_passes, tokens=toks,
             k_effective=st.k_cap, exactness=st.exactness,
+            draft_model_steps=st.method_used.get("draft", 0), drafting_steps=st.drafting_steps,
         )
         if base is not None:
             rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
@@ -320,9 +323,13 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
                             "deviation": r.mismatch_deviation, "kind": r.mismatch_kind} for r in diverged],
             "ideal_speedup": None, "measured_over_ideal": None,
         }
-        if calib and row["method"] in ("draft", "lookup") and drafted:
+        if calib and row["method"] in ("draft", "lookup", "auto") and drafted:
             k = row["k_effective"] or row["k"]
-            c = calib["c"] if row["method"] == "draft" else 0.0
+            if row["method"] == "auto":  # the draft cost weighted by how often auto drafted with the draft model
+                steps = sum(r.drafting_steps for r in rs)
+                c = calib["c"] * sum(r.draft_model_steps for r in rs) / steps if steps else 0.0
+            else:
+                c = calib["c"] if row["method"] == "draft" else 0.0
             ratio = calib["ratio"].get(k + 1)
             if ratio:
                 ideal = ideal_speedup(alpha, k, c, ratio)

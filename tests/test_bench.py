@@ -199,3 +199,13 @@ def test_report_into_a_pipe_keeps_every_cell():
     out = buf.getvalue()
     assert "…" not in out and "code_edit" in out and "lookup k=8" in out and "1.32x" in out and "20.0" in out and "15.1" in out
     assert "\x1b[" not in out and "[red]" not in out
+
+
+def test_auto_rows_get_the_leviathan_bound_with_the_draft_cost_of_its_mix():
+    """auto rows had no bound ("ideal" was "-"): the standards quote measured speedup against it."""
+    a = rr("auto k<=4", "auto", 4, "code", 12.0, 1.2, True, 40, 20)
+    a.k_effective, a.drafting_steps, a.draft_model_steps = 2, 10, 5  # half the drafting steps used the draft model
+    rows = B.summarize([rr("none", "none", 0, "code", 10.0), a], {"ratio": {1: 1.0, 2: 1.5, 3: 2.0}, "c": 0.4})
+    auto = next(r for r in rows if r["config"] == "auto k<=4" and r["category"] == "code")
+    assert auto["ideal_speedup"] == pytest.approx(B.ideal_speedup(0.5, 2, 0.2, 2.0))
+    assert auto["measured_over_ideal"] == pytest.approx(1.2 / auto["ideal_speedup"])
