@@ -388,8 +388,9 @@ _abort_cb = None
 
 def on_abort(callback: Callable[[], None]) -> Callable[[], None]:
     """Run `callback` before the process dies of a llama.cpp abort (e.g. save the chat transcript).
-    Returns it, so it works as a decorator; remove it with `remove_abort_hook`."""
-    _abort_hooks.append(callback)
+    Returns it, so it works as a decorator; remove it with `remove_abort_hook`. Adding one twice runs it once."""
+    if callback not in _abort_hooks:
+        _abort_hooks.append(callback)
     return callback
 
 

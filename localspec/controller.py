@@ -21,6 +21,8 @@ PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimis
 PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
 CATCH_UP_MAX = 8  # probe a draft model only when its cache is at most this far behind the context
 EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
+RECHECK_EVERY = 4 * PROBE_EVERY  # a drafter that looks hopeless is still probed this often: its figures may be stale
+OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
 
 
 @dataclass
@@ -67,7 +69,13 @@ class VerifyCurve:
     t: dict[int, float] = field(default_factory=dict)  # batch size -> seconds (EMA)
 
     def observe(self, b: int, seconds: float) -> None:
+        """Fold in one timing. A busy moment (another process, a first-use allocation) only ever adds time, so a
+        sample is clipped to OUTLIER x the current estimate, and a batch's first sample to b one-token decodes."""
         old = self.t.get(b)
+        if old is not None:
+            seconds = min(seconds, OUTLIER * old)
+        elif b > 1 and self.t.get(1):
+            seconds = min(seconds, b * self.t[1])
         self.t[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
     def cost(self, b: int) -> float | None:
@@ -173,8 +181,9 @@ class AdaptivePolicy:
             if lag is not None and lag(context) > CATCH_UP_MAX:
                 continue  # a probe would first decode the whole prompt on the draft model: not worth a guess
             c = self.curve.cost(k + 1)
-            if c is None or (k + 1) / (k * t_tok + c) <= plain:
-                continue  # even with every draft accepted it would lose on this machine
+            hopeless = c is None or (k + 1) / (k * t_tok + c) <= plain
+            if hopeless and self.since_used[name] < RECHECK_EVERY:
+                continue  # even with every draft accepted it would lose, on the figures so far
             self.since_used[name] = 0
             self._probing = name
             self.last_choice = (name, k, rate / plain)

@@ -232,6 +232,9 @@ class Session:
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
             rpc=v.get("rpc"), tensor_split=v.get("tensor_split"), chat_template=self.chat_template,
         )
+        from . import backend, history
+
+        backend.on_abort(history.save_now)  # llama.cpp may kill the process (a dead RPC worker): keep the chat
         if engine.dropped_draft is None and self.dropped_draft:
             engine.dropped_draft = self.dropped_draft  # dropped before its download
         self.close()

@@ -87,3 +87,25 @@ def test_expected_tokens_and_best_k_arithmetic():
     curve = VerifyCurve({1: 1.0, 2: 1.0, 3: 1.0})
     k, rate = best_k(DrafterEstimate(prior_alpha=0.99), curve, 2, 0.0)
     assert k == 2 and abs(rate - expected_tokens([0.99, 0.99])) < 1e-9
+
+
+def test_one_outlier_measurement_does_not_switch_speculation_off_for_good():
+    """Bench regression (lossless, k<=8): the first verify of 2 rows was timed on a busy moment at several times its
+    cost; every k then looked hopeless, the drafter was never probed again, and the curve was never re-measured:
+    auto stayed plain for the remaining 29 prompts (0 tokens drafted, code_edit 0.99x where bit had 1.18x)."""
+
+    class Lookup(FakeDrafter):
+        def __init__(self):
+            super().__init__("lookup")
+
+        def match(self, context, k):
+            return [7] * k, 2
+
+    lk = Lookup()
+    p = AdaptivePolicy({"lookup": lk}, k_max=8, cost_prior={"lookup": 0.0})
+    p.observe(None, 0, 0, 0, 0.0, cpu(1))
+    d, k = p.choose([1])
+    assert d is lk
+    p.observe(lk, 1, 1, 0, 0.0, 6 * cpu(2))  # rejected, and timed while something else ran
+    ks = simulate(p, lambda s: 0.9, 0.0, cpu, 400, np.random.default_rng(4), name="lookup")
+    assert np.mean([k > 0 for k in ks[200:]]) > 0.9  # re-checked within RECHECK_EVERY steps, then used

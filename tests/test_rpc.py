@@ -377,3 +377,49 @@ def test_doctor_reports_rpc():
     r = cli(["doctor", "--json"])
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["rpc"] is True
+
+
+def test_a_dying_worker_leaves_the_streamed_answer_in_the_history(tmp_path, target_path):
+    """#12: the chat's transcript is saved before the process can die. Before, nothing registered the history's
+    flush as an abort hook: the pieces below the write throttle were lost with the process."""
+    w = Worker("--threads", "1")
+    db = tmp_path / "history.sqlite3"
+    script = f"""
+import sys
+from localspec.history import History
+from localspec.session import Session
+from localspec.engine import GenConfig
+s = Session({{"model": {str(target_path)!r}, "rpc": {w.endpoint!r}, "method": "none", "ctx_size": 4096}}, quiet=True)
+e = s.load()
+h = History({str(db)!r})
+chat = h.new_chat("the cat")
+h.add_message(chat, "user", "the cat")
+writer = h.answer(chat)
+for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="none", max_tokens=4000))):
+    writer.append("piece%d " % i)
+    if i == 3:
+        print("kill", flush=True)
+        sys.stdin.readline()
+"""
+    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg")}
+    try:
+        p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        assert p.stdout.readline() == b"kill\n"
+        w.kill()
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        out, err = p.communicate(timeout=60)
+    finally:
+        w.kill()
+    assert p.returncode == 1, err.decode()[-2000:]
+    from localspec.history import History
+
+    h = History(db)
+    try:
+        (chat,) = h.chats()
+        answer = h.get(chat.id).messages[-1]
+        assert answer["role"] == "assistant" and answer["content"].startswith("piece0 piece1 piece2 piece3 ")
+        assert [c.id for c in h.interrupted()] == [chat.id]  # offered again at the next `localspec chat`
+    finally:
+        h.close()
