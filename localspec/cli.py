@@ -252,12 +252,6 @@ def summary_line(stats, finish: str) -> str:
     )
 
 
-def main_method(stats) -> str:
-    """The method that actually produced the tokens (the most used drafter; none when it never drafted)."""
-    used = {m: n for m, n in stats.method_used.items() if m != "none"}
-    return max(used, key=used.get) if used else "none"
-
-
 def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") -> dict:
     if stats is None:  # interrupted before the first step
         from .stats import Stats
@@ -266,7 +260,7 @@ def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") 
     return {
         "text": fin.text if fin else text,
         "finish_reason": "interrupted" if interrupted else fin.finish_reason,
-        "method": main_method(stats),
+        "method": stats.main_method,
         "requested_method": gen_cfg.method,
         "draft_tokens": gen_cfg.k,
         "k_requested": gen_cfg.k,

@@ -276,18 +276,13 @@ class Worker:
 
 
 # ----------------------------------------------------------------- the response bodies
-def main_method(stats) -> str:
-    used = {m: n for m, n in stats.method_used.items() if m != "none"}
-    return max(used, key=used.get) if used else "none"
-
-
 def localspec_stats(stats, cfg: GenConfig) -> dict:
     d = {
         "tokens_per_second": stats.measured_rate(),  # the display also hides samples under 50 ms
         "acceptance_rate": stats.acceptance_rate,
         "tokens_per_pass": stats.tokens_per_pass,
         "mean_accepted_length": stats.mean_accepted_length,
-        "method": main_method(stats),
+        "method": stats.main_method,
         "requested_method": cfg.method,
         "k": stats.k_cap,
         "requested_k": cfg.k,

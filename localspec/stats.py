@@ -62,6 +62,12 @@ class Stats:
         self.emitted_at.append(time.perf_counter() if now is None else now)
 
     @property
+    def main_method(self) -> str:
+        """The method that actually produced the tokens: the most used drafter, none when it never drafted."""
+        used = {m: n for m, n in self.method_used.items() if m != "none"}
+        return max(used, key=used.get) if used else "none"
+
+    @property
     def tokens_per_pass(self) -> float:
         """Tokens emitted per target pass during generation, over every step (1.0 = no gain)."""
         return (self.accepted + self.target_passes) / self.target_passes if self.target_passes else 0.0
