@@ -331,7 +331,14 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
             else:
                 c = calib["c"] if row["method"] == "draft" else 0.0
             ratio = calib["ratio"].get(k + 1)
-            if ratio:
+            if ratio and row["method"] == "auto":
+                # auto picks k per step and may stay plain: the bound is the best k <= its cap, and never below 1
+                ideal = max([1.0] + [ideal_speedup(alpha, j, c, calib["ratio"][j + 1]) for j in range(1, k + 1)
+                                     if calib["ratio"].get(j + 1)])
+                row["ideal_speedup"] = ideal
+                if row["speedup_median"]:
+                    row["measured_over_ideal"] = row["speedup_median"] / ideal
+            elif ratio:
                 ideal = ideal_speedup(alpha, k, c, ratio)
                 row["ideal_speedup"] = ideal
                 if row["speedup_median"]:
