@@ -67,6 +67,7 @@ class DrafterEstimate:
 @dataclass
 class VerifyCurve:
     t: dict[int, float] = field(default_factory=dict)  # batch size -> seconds (EMA)
+    prior: dict[int, float] = field(default_factory=dict)  # batch size -> T(b)/T(1) measured once (exactness.verify_costs)
 
     def observe(self, b: int, seconds: float) -> None:
         """Fold in one timing. A busy moment (another process, a first-use allocation) only ever adds time, so a
@@ -84,6 +85,8 @@ class VerifyCurve:
             return self.t[b]
         if t1 is None:
             return None
+        if b in self.prior:  # not timed in this session yet: the calibrated ratio at today's one-token cost
+            return t1 * self.prior[b]
         # nearest measured smaller batch, extended by the prior slope
         below = [x for x in self.t if x < b]
         base = max(below)
@@ -118,9 +121,11 @@ def best_k(est: DrafterEstimate, curve: VerifyCurve, k_max: int, t_draft_token: 
 class AdaptivePolicy:
     """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
 
-    def __init__(self, drafters: dict, k_max: int, state: dict | None = None, cost_prior: dict | None = None) -> None:
+    def __init__(self, drafters: dict, k_max: int, state: dict | None = None, cost_prior: dict | None = None,
+                 verify_prior: dict | None = None) -> None:
         """cost_prior: drafter name -> draft cost per token relative to one target step, used until measured
-        (for a draft model, its file size over the target's: decoding is memory-bound)."""
+        (for a draft model, its file size over the target's: decoding is memory-bound). verify_prior: batch size
+        -> T(b)/T(1) as calibrated on this machine, used for batch sizes not yet timed."""
         self.drafters = drafters
         self.cost_prior = cost_prior or {}
         self.k_max = max(1, k_max)
@@ -131,11 +136,24 @@ class AdaptivePolicy:
             st["est"].setdefault(name, DrafterEstimate(prior_alpha=PRIOR_ALPHA.get(name, 0.5)))
         self.state = st
         self.curve: VerifyCurve = st["curve"]
+        if verify_prior:
+            self.curve.prior = dict(verify_prior)
         self.est: dict[str, DrafterEstimate] = st["est"]
         self.step = 0
         self.since_used = {name: 0 for name in drafters}
         self.last_choice = ("none", 0, 0.0)
         self._probing: str | None = None
+        self._est_key: dict[str, str] = {}  # drafter name -> the estimate its latest proposal was judged by
+
+    def _estimate(self, key: str, name: str) -> DrafterEstimate:
+        """Prompt lookup keeps one estimate per matched n-gram length ("lookup@4"): a 4-token match inside code
+        being copied is accepted far more often than a 2-token match in prose, and one pooled figure made auto
+        decline the copies after a few failed prose matches. A new length starts from the prior, not from the
+        pooled figure (which the failed short matches pulled down)."""
+        est = self.est.get(key)
+        if est is None:
+            est = self.est[key] = DrafterEstimate(prior_alpha=self.est[name].prior_alpha)
+        return est
 
     def _plain_rate(self) -> float | None:
         t1 = self.curve.t.get(1)
@@ -155,13 +173,16 @@ class AdaptivePolicy:
             return None, 0
         options = []
         for name, drafter in self.drafters.items():
-            est = self.est[name]
+            key = name
             k_cap = self.k_max
             if name == "lookup":
-                proposal, _ = drafter.match(context, self.k_max)
+                proposal, n = drafter.match(context, self.k_max)
                 if not proposal:
                     continue  # no match: lookup has nothing to offer this step
                 k_cap = len(proposal)
+                key = f"lookup@{n}"
+            self._est_key[name] = key
+            est = self._estimate(key, name)
             t_tok = self._t_token(name, plain)
             k, rate = best_k(est, self.curve, k_cap, t_tok)
             if k:
@@ -199,7 +220,10 @@ class AdaptivePolicy:
         if drafter is not None and n_drafted:
             # a probe whose drafts were all accepted is followed by another at once: the regime may be back
             self.since_used[drafter.name] = PROBE_EVERY if (probing == drafter.name and n_accepted == n_drafted) else 0
-            self.est[drafter.name].observe(n_drafted, n_accepted, t_draft)
+            key = self._est_key.get(drafter.name, drafter.name)
+            self.est[drafter.name].observe(n_drafted, n_accepted, t_draft)  # pooled: what `estimates()` reports
+            if key != drafter.name:
+                self._estimate(key, drafter.name).observe(n_drafted, n_accepted, t_draft)
 
     def estimates(self) -> dict[str, tuple[int, float]]:
         """Per drafter: (best k, estimated speedup vs plain) from the current estimates."""

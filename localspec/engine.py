@@ -281,6 +281,14 @@ class Engine:
             return "auto"
         return cfg.method
 
+    def verify_costs(self, upto: int) -> dict[int, float] | None:
+        """T(b)/T(1) of the target on this machine (measured once, cached); None where it cannot be measured."""
+        if os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
+            return None
+        from .exactness import verify_costs
+
+        return verify_costs(self.target, upto)
+
     def exact_k(self, k: int) -> int:
         """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding."""
         if k <= 0:
@@ -337,7 +345,7 @@ class Engine:
             cost_prior = {"lookup": 0.0}
             if self.draft is not None:
                 cost_prior["draft"] = self.draft.size_bytes() / max(self.target.size_bytes(), 1)
-            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior), method, k
+            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior, self.verify_costs(k + 1)), method, k
         if method == "auto":
             method = "draft" if self.draft is not None else "lookup"
         drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)

@@ -13,6 +13,8 @@ divergence's top-2 margin with it).
 from __future__ import annotations
 
 import os
+import statistics
+import time
 
 import numpy as np
 
@@ -128,7 +130,56 @@ def deviation(model, upto: int) -> dict[int, float]:
 def cached_probes() -> list[dict]:
     """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size."""
     out = []
-    for entry in read_json(CACHE_FILE).values():
-        if isinstance(entry, dict) and "batch" in entry:
+    for key, entry in read_json(CACHE_FILE).items():
+        if isinstance(entry, dict) and "batch" in entry and not key.startswith("cost|"):
             out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()}})
     return out
+
+
+# ------------------------------------------------------------------ what a verify batch costs here
+COST_MIN_UPTO = 9  # measured at least up to this batch (k = 8), so most k changes need no new measurement
+COST_REPS = 3
+
+
+def _measure_costs(model, upto: int) -> dict[int, float]:
+    """T(b) / T(1) for b in 1..upto: the median of COST_REPS timed decodes of b rows after a 64-token prefix."""
+    saved = list(model.tokens)
+    model.clear()
+    try:
+        ids = model.tokenize(PROBE_TEXT)
+        while len(ids) < 64 + upto:
+            ids = ids + ids[1:]
+        model.decode(ids[:64])
+        base = len(model.tokens)
+        t = {}
+        for b in range(1, upto + 1):
+            ts = []
+            for _ in range(COST_REPS):
+                t0 = time.perf_counter()
+                model.decode(ids[64 : 64 + b], "all")
+                ts.append(time.perf_counter() - t0)
+                model.truncate(base)
+            t[b] = statistics.median(ts)
+        return {b: v / t[1] for b, v in t.items()}
+    finally:
+        model.clear()
+        if saved:
+            model.decode(saved, "last")
+
+
+def verify_costs(model, upto: int) -> dict[int, float]:
+    """What a verify batch of b rows costs in one-token decodes, for b in 1..max(upto, COST_MIN_UPTO), measured once
+    per model file, build, threads, GPU layers and KV type (cached beside the probe). The adaptive controller
+    starts from it instead of a guessed slope: on a 2-core AVX-512 CPU a batch of 4 rows costs less than one of 3
+    (the repacked GEMM), on a GPU 9 rows cost about one."""
+    upto = max(upto, COST_MIN_UPTO)
+    key = "cost|" + _key(model, 0)
+    entry = read_json(CACHE_FILE).get(key)
+    if isinstance(entry, dict) and isinstance(entry.get("ratio"), dict) and len(entry["ratio"]) >= upto:
+        return {int(b): float(v) for b, v in entry["ratio"].items()}
+    ratio = _measure_costs(model, upto)
+    db = read_json(CACHE_FILE)
+    db[key] = {"ratio": {str(b): v for b, v in ratio.items()}, "model": str(model.path.resolve()),
+               "threads": model.n_threads, "gpu_layers": model.n_gpu_layers}
+    write_json(CACHE_FILE, db)
+    return ratio
