@@ -116,29 +116,49 @@ class History:
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path is not None else db_path()
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, check_same_thread=False,
-                                       isolation_level=None)  # autocommit; explicit transactions below
-            self._db.row_factory = sqlite3.Row
-            self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-            self._db.execute("PRAGMA journal_mode = WAL")
-            self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: a crashed process loses nothing committed
-            self._db.execute("PRAGMA foreign_keys = ON")
-            with self._tx():
-                version = self._db.execute("PRAGMA user_version").fetchone()[0]
-                if version > SCHEMA_VERSION:
-                    raise UsageError(f"history database {self.path} is from a newer localspec (schema {version})")
-                if version == 0:
-                    for stmt in SCHEMA.split(";"):  # not executescript: it would commit the transaction
-                        if stmt.strip():
-                            self._db.execute(stmt)
-                self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except sqlite3.DatabaseError as exc:
-            raise UsageError(f"cannot open the chat history {self.path}: {exc}") from None
-        except OSError as exc:
-            raise UsageError(f"cannot open the chat history {self.path}: {exc.strerror or exc}") from None
+        self._db = None
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        pause = 0.02
+        while True:
+            try:
+                self._open()
+                break
+            except sqlite3.OperationalError as exc:
+                # another process is creating the file or switching it to WAL: SQLite can answer "locked" at once
+                # there instead of waiting on the busy timeout, so wait and open again
+                if self._db is not None:
+                    self._db.close()
+                    self._db = None
+                transient = "locked" in str(exc) or "busy" in str(exc)
+                if not transient or time.monotonic() > deadline:
+                    raise UsageError(f"cannot open the chat history {self.path}: {exc}") from None
+                time.sleep(pause)
+                pause = min(pause * 2, 0.5)
+            except sqlite3.DatabaseError as exc:
+                raise UsageError(f"cannot open the chat history {self.path}: {exc}") from None
+            except OSError as exc:
+                raise UsageError(f"cannot open the chat history {self.path}: {exc.strerror or exc}") from None
         self._lock = threading.RLock()
+
+    def _open(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), timeout=BUSY_TIMEOUT_S, check_same_thread=False,
+                                   isolation_level=None)  # autocommit; explicit transactions below
+        self._db.row_factory = sqlite3.Row
+        self._db.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        if self._db.execute("PRAGMA journal_mode").fetchone()[0].lower() != "wal":  # persistent once set
+            self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: a crashed process loses nothing committed
+        self._db.execute("PRAGMA foreign_keys = ON")
+        with self._tx():
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise UsageError(f"history database {self.path} is from a newer localspec (schema {version})")
+            if version == 0:
+                for stmt in SCHEMA.split(";"):  # not executescript: it would commit the transaction
+                    if stmt.strip():
+                        self._db.execute(stmt)
+            self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     # ------------------------------------------------------------ plumbing
     class _Tx:

@@ -346,3 +346,39 @@ def test_chat_passes_runtime_flags_and_the_store_to_the_app(monkeypatch, stored)
     with pytest.raises(SystemExit) as e:
         C.main(["chat", "--resume", str(a)])
     assert e.value.code == 2
+
+
+def test_a_locked_database_at_open_is_waited_for(tmp_path, monkeypatch):
+    """The full suite once failed test_two_processes_writing_at_once_lose_nothing: the second process's open got
+    "database is locked" from SQLite right away (switching a new file to WAL does not always wait on the busy
+    timeout) and gave up. Opening now retries such a transient lock until the busy timeout."""
+    import sqlite3
+
+    from localspec import history as H
+
+    real_connect = sqlite3.connect
+    failures = {"n": 2}
+
+    class Flaky:
+        def __init__(self, db):
+            object.__setattr__(self, "_db", db)
+
+        def __getattr__(self, name):
+            return getattr(self._db, name)
+
+        def __setattr__(self, name, value):
+            setattr(self._db, name, value)
+
+        def execute(self, sql, *args):
+            if "journal_mode" in sql and failures["n"] > 0:
+                failures["n"] -= 1
+                raise sqlite3.OperationalError("database is locked")
+            return self._db.execute(sql, *args)
+
+    monkeypatch.setattr(H.sqlite3, "connect", lambda *a, **k: Flaky(real_connect(*a, **k)))
+    store = H.History(tmp_path / "h.sqlite3")
+    try:
+        cid = store.new_chat("hello")
+        assert store.get(cid).title == "hello" and failures["n"] == 0
+    finally:
+        store.close()
