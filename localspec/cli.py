@@ -134,6 +134,15 @@ ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.
 ExactnessOpt = _opt("exactness", "--exactness", help="Exactness level: auto | bit | lossless (see README, Exactness).")
 RpcOpt = _opt("rpc", "--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.")
 SplitOpt = _opt("tensor_split", "--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.")
+TemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False, metavar="FILE")]
+
+
+def use_template(sess, path: Optional[Path]) -> None:
+    """--chat-template: read (and check) the file before any model loads."""
+    if path is not None:
+        from .chat_template import read_template_file
+
+        sess.chat_template = read_template_file(path)
 
 
 def flags(**kw) -> dict:
@@ -334,7 +343,7 @@ def run(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop at this text (repeatable).", show_default=False)] = None,
     system: SystemOpt = None,
     raw: Annotated[bool, typer.Option("--raw", help="No chat template: the prompt goes in as-is.")] = False,
-    chat_template: Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False, metavar="FILE")] = None,
+    chat_template: TemplateOpt = None,
     ctx_size: CtxOpt = None,
     gpu_layers: GpuOpt = None,
     draft_gpu_layers: DraftGpuOpt = None,
@@ -361,12 +370,10 @@ def run(
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
     status = Status(quiet)
-    from .chat_template import read_template_file
     from .engine import Finished
 
     sess.check()  # bad sampling/k/thread values fail before loading gigabytes
-    if chat_template is not None:
-        sess.chat_template = read_template_file(chat_template)
+    use_template(sess, chat_template)
     if sys.stderr.isatty():
         sess.announce = status.info
     engine = sess.load()
@@ -795,6 +802,7 @@ def chat(
     cont: Annotated[bool, typer.Option("--continue", help="Reopen the most recent stored chat.")] = False,
     resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen stored chat ID (`localspec history list`).", show_default=False)] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Store nothing (or set history = false in the config).")] = False,
+    chat_template: TemplateOpt = None,
 ):
     """Chat in the terminal, with live speculation statistics. Chats are stored as they happen (`localspec history`)."""
     from .history import History
@@ -807,6 +815,7 @@ def chat(
                          exactness=exactness, rpc=rpc, tensor_split=tensor_split),
                    quiet=True)
     sess.check()
+    use_template(sess, chat_template)
     if cont and resume is not None:
         raise UsageError("--continue reopens the latest chat and --resume ID a given one: use one of them")
     if (cont or resume is not None) and not sess["history"]:
@@ -849,9 +858,11 @@ def bench(
     threads: ThreadsOpt = None,
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
+    chat_template: TemplateOpt = None,
 ):
     """A/B benchmark: the same prompts with and without speculation, interleaved."""
     sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc, tensor_split, exactness)
+    use_template(sess, chat_template)
     _bench(sess, prompts=prompts, methods=methods, ks=ks, max_tokens=max_tokens, repeat=repeat,
                 temperature=temperature, categories=categories, limit=limit, json_out=json_out, csv_out=csv_out, plot=plot)
 
@@ -869,9 +880,11 @@ def tune(
     gpu_layers: GpuOpt = None,
     draft_gpu_layers: DraftGpuOpt = None,
     threads: ThreadsOpt = None,
+    chat_template: TemplateOpt = None,
 ):
     """Sweep k (and p_min) on a sample, store the fastest config for this pair in the user config."""
     sess = _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers)
+    use_template(sess, chat_template)
     _tune(sess, prompts=prompts, ks=ks, p_mins=p_mins, max_tokens=max_tokens, limit=limit)
 
 
@@ -1178,6 +1191,7 @@ def serve(
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
+    chat_template: TemplateOpt = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
     from .server import serve as run_server
@@ -1188,6 +1202,7 @@ def serve(
         temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
         exactness=exactness, rpc=rpc, tensor_split=tensor_split,
     ))
+    use_template(sess, chat_template)
     run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue)
 
 

@@ -685,6 +685,8 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         engine = session.load()
         if engine.dropped_draft:
             log(f"warning: {engine.dropped_draft}; using prompt lookup")
+        if engine.template_warning:
+            log(f"warning: {engine.template_warning}")
         v = session.values()
         if v["method"] != "none":
             engine.exact_k(S.gen_config(v).k)  # the one-time exactness probe, before the first request

@@ -254,3 +254,11 @@ def test_threads_refused_before_llama_cpp(target_path):
 def test_cli_threads_refused(target_path, threads):
     line = one_error_line(cli(["run", "-m", str(target_path), "--threads", threads, "hi"], timeout=30), 2)
     assert "threads must be between 1 and" in line
+
+
+@pytest.mark.parametrize("cmd", [["chat"], ["bench", "--limit", "1"], ["tune"], ["serve", "--port", "0"]])
+def test_every_command_takes_chat_template(cmd, target_path, tmp_path):
+    """--chat-template was on `run` only; chat, bench, tune and serve render prompts with the template too."""
+    line = one_error_line(cli([*cmd, "-m", str(target_path), "--chat-template", str(tmp_path / "none.jinja")]), 2)
+    assert "not found" in line and "none.jinja" in line
+

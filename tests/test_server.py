@@ -456,3 +456,26 @@ def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
     with pytest.raises(S.ClientGone):
         asyncio.run(main())
     assert GoneRequest.checks >= 1
+
+
+def test_serve_warns_about_a_missing_chat_template_and_takes_one(tmp_path):
+    """serve (like chat) used the plain 'role: content' fallback without a word; `--chat-template` was run-only."""
+    from tinymodels import write_model
+
+    plain_model = write_model(tmp_path / "plain.gguf", 5, chat_template=None)
+    p, url, lines = _start(["-m", str(plain_model), "--port", "0", "--method", "none"], _env(tmp_path / "cfg"))
+    p.send_signal(signal.SIGINT)
+    p.communicate(timeout=60)
+    assert any("warning:" in l and "no chat template" in l for l in lines), lines
+    tmpl = tmp_path / "t.jinja"
+    tmpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    p, url, lines = _start(["-m", str(plain_model), "--port", "0", "--method", "none", "--chat-template", str(tmpl)],
+                           _env(tmp_path / "cfg"))
+    try:
+        assert not any("no chat template" in l for l in lines), lines
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
+        r = c.chat.completions.create(model="localspec", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert r.usage.prompt_tokens <= 4  # "hi" and BOS: the given template, not "user: hi\nassistant:"
+    finally:
+        p.send_signal(signal.SIGINT)
+        p.communicate(timeout=60)

@@ -587,3 +587,18 @@ def test_snapshot_finished_answer_is_markdown_with_highlighted_code(tmp_path, sn
         await pilot.pause(0.5)  # let the Markdown widget lay out its blocks
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_a_model_without_chat_template_gets_a_warning_in_the_chat(tmp_path):
+    """The fallback 'role: content' transcript was used silently in the chat (run warned, chat did not)."""
+    plain_model = write_model(tmp_path / "plain.gguf", 5, chat_template=None)
+    app = create_app(settings(plain_model, method="none"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            await pilot.pause(0.1)
+            notes = [n.message for n in app._notifications]
+            assert any("no chat template" in n for n in notes), notes
+
+    asyncio.run(go())

@@ -265,6 +265,8 @@ class LocalspecApp(App):
                                      self.engine.draft.name if self.engine.draft is not None else None, loading=False)
         if self.engine.dropped_draft:
             self.notify(f"{self.engine.dropped_draft}; using prompt lookup", severity="warning")
+        if getattr(self.engine, "template_warning", None):
+            self.notify(self.engine.template_warning, severity="warning", timeout=10)
         self.refresh_header()
         if self.messages:
             self.warm_cache(self.chat_id, self.chat_messages())
