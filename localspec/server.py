@@ -86,7 +86,17 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class SpeculationOptions(BaseModel):
+    """localspec's own per-request options (the `localspec` field; `extra_body={"localspec": {...}}` in the openai
+    package): they override the server's settings for this request only."""
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not silently the default
+    method: Optional[str] = None
+    k: Optional[int] = None
+    exactness: Optional[str] = None
+
+
 class _Common(_Body):
+    localspec: Optional[SpeculationOptions] = None
     model: Optional[str] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
@@ -489,6 +499,13 @@ def create_app(session, *, api_key: str | None = None, queue_size: int = DEFAULT
         for key in ("temperature", "top_p", "seed"):
             if getattr(req, key) is not None:
                 changes[key] = getattr(req, key)
+        if req.localspec is not None:
+            for key, setting in (("method", "method"), ("k", "draft_tokens"), ("exactness", "exactness")):
+                if getattr(req.localspec, key) is not None:
+                    changes[setting] = getattr(req.localspec, key)
+            if changes.get("method") == "draft" and session.engine is not None and session.engine.draft is None:
+                raise APIError(400, "method draft needs a draft model, and this server has none loaded",
+                               param="localspec.method")
         v = {**base, **changes}
         try:
             S.validate(v)

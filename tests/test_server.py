@@ -479,3 +479,23 @@ def test_serve_warns_about_a_missing_chat_template_and_takes_one(tmp_path):
     finally:
         p.send_signal(signal.SIGINT)
         p.communicate(timeout=60)
+
+
+def test_per_request_speculation_options(served, plain):
+    """A client can choose method, k and exactness for one request (`extra_body={"localspec": {...}}`); bad values
+    are a 400 naming the problem, and the server's own settings are untouched."""
+    c = served.client(max_retries=0)
+    r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0,
+                             extra_body={"localspec": {"method": "lookup", "k": 2, "exactness": "lossless"}})
+    ls = r.model_extra["localspec"]
+    assert ls["requested_method"] == "lookup" and ls["requested_k"] == 2 and ls["exactness"] == "lossless"
+    assert r.choices[0].text == plain[1]  # still plain decoding's tokens
+    r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, extra_body={"localspec": {"method": "none"}})
+    assert r.model_extra["localspec"]["drafted"] == 0 and r.choices[0].text == plain[1]
+    for bad, needle in (({"method": "magic"}, "method"), ({"k": -1}, "k"), ({"exactness": "exact"}, "exactness"),
+                        ({"kk": 2}, "kk")):
+        with pytest.raises(openai.BadRequestError) as info:
+            c.completions.create(model="localspec", prompt="hi", max_tokens=2, extra_body={"localspec": bad})
+        assert needle in str(info.value), (bad, str(info.value))
+    r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0)
+    check_stats(r.model_extra["localspec"])  # the server's defaults again: draft, k <= 3
