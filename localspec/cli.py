@@ -715,7 +715,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
     from . import download, registry
     from .backend import compiled_backends, default_threads, devices, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
-    from .exactness import cached_probes
+    from .exactness import cached_costs, cached_probes
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
     backends: list[str] = []
@@ -753,6 +753,11 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
          "deviation": {str(b): v for b, v in sorted(p["deviation"].items())}}
         for p in cached_probes()
     ]
+    report["verify_costs"] = [  # what a verify batch of b rows costs in one-token decodes (the controller's start)
+        {"model": c["model"], "threads": c["threads"], "gpu_layers": c["gpu_layers"],
+         "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())}}
+        for c in cached_costs()
+    ]
     notes = []
     if any(f.startswith("amx") for f in flags):
         notes.append("CPU has AMX: a default (-march=native) llama-cpp-python build can crash with SIGILL; "
@@ -765,7 +770,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
         typer.echo(json.dumps(report, indent=1))
         return
     for k, v in report.items():
-        if k in ("system_info", "notes", "models", "devices", "exactness_probes"):
+        if k in ("system_info", "notes", "models", "devices", "exactness_probes", "verify_costs"):
             continue
         typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
     typer.echo(f"system_info: {report.get('system_info', '')}")
@@ -778,6 +783,10 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
         typer.echo(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
                    f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
                    f"max |Δlogit| per batch size {dev}")
+    for c in report["verify_costs"]:
+        costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
+        typer.echo(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
+                   f"one-token decodes per batch size {costs}")
     for n in notes:
         typer.echo(f"note: {n}")
 

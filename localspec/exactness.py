@@ -183,3 +183,13 @@ def verify_costs(model, upto: int) -> dict[int, float]:
                "threads": model.n_threads, "gpu_layers": model.n_gpu_layers}
     write_json(CACHE_FILE, db)
     return ratio
+
+
+def cached_costs() -> list[dict]:
+    """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b."""
+    out = []
+    for key, entry in read_json(CACHE_FILE).items():
+        if key.startswith("cost|") and isinstance(entry, dict) and isinstance(entry.get("ratio"), dict):
+            out.append({"model": entry.get("model"), "threads": entry.get("threads"), "gpu_layers": entry.get("gpu_layers"),
+                        "ratio": {int(b): float(v) for b, v in entry["ratio"].items()}})
+    return out

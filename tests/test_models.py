@@ -198,6 +198,19 @@ def test_doctor_json(env, target_path):
     assert "device: CPU (cpu, CPU)" in out and f"bit-exact up to {best} rows" in out
 
 
+def test_doctor_lists_verify_costs(target_path):
+    from localspec.backend import Model
+    from localspec.exactness import COST_MIN_UPTO, verify_costs
+
+    with Model(target_path, n_ctx=512) as m:
+        ratio = verify_costs(m, 4)
+    d = json.loads(cli(["doctor", "--json"]).stdout)
+    (c,) = d["verify_costs"]
+    assert c["model"] == str(target_path.resolve()) and len(c["ratio"]) == COST_MIN_UPTO and c["ratio"]["1"] == 1.0
+    assert c["ratio"]["4"] == round(ratio[4], 3)
+    assert f"verify cost: {target_path.name}" in cli(["doctor"]).stdout.decode()
+
+
 def test_one_models_toml_ships():
     """The top-level models.toml is the one the package reads (the package's data/models.toml links to it)."""
     top = Path(__file__).resolve().parents[1] / "models.toml"
