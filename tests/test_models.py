@@ -204,10 +204,11 @@ def test_doctor_lists_verify_costs(target_path):
 
     with Model(target_path, n_ctx=512) as m:
         ratio = verify_costs(m, 4)
+        threads = m.n_threads
     d = json.loads(cli(["doctor", "--json"]).stdout)
-    (c,) = d["verify_costs"]
-    assert c["model"] == str(target_path.resolve()) and len(c["ratio"]) == COST_MIN_UPTO and c["ratio"]["1"] == 1.0
-    assert c["ratio"]["4"] == round(ratio[4], 3)
+    mine = [c for c in d["verify_costs"] if c["model"] == str(target_path.resolve()) and c["threads"] == threads
+            and c["ratio"].get("4") == round(ratio[4], 3)]  # other tests may have calibrated other settings here
+    assert mine and len(mine[0]["ratio"]) >= COST_MIN_UPTO and mine[0]["ratio"]["1"] == 1.0
     assert f"verify cost: {target_path.name}" in cli(["doctor"]).stdout.decode()
 
 
