@@ -344,6 +344,22 @@ def test_worker_death_mid_generation_is_one_line_and_keeps_the_answer(target_pat
     assert len(answer) >= 8 and answer[:k] == full[:k]  # the streamed part is there and is the answer's start
 
 
+def kill_worker_mid_generation(w, script: str, env=None):
+    """Run `script` (it prints "kill" mid-generation, then waits for a line on stdin), kill worker `w` there, let the
+    script go on into the dead worker; returns (process, stderr)."""
+    try:
+        p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env)
+        assert p.stdout.readline() == b"kill\n"
+        w.kill()
+        p.stdin.write(b"\n")
+        p.stdin.flush()
+        _, err = p.communicate(timeout=60)
+    finally:
+        w.kill()
+    return p, err
+
+
 def test_abort_hooks_run_before_the_process_dies(tmp_path, target_path):
     w = Worker("--threads", "1")
     flag = tmp_path / "saved"
@@ -358,16 +374,7 @@ for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="non
         print("kill", flush=True)
         sys.stdin.readline()
 """
-    try:
-        p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
-        assert p.stdout.readline() == b"kill\n"
-        w.kill()
-        p.stdin.write(b"\n")
-        p.stdin.flush()
-        out, err = p.communicate(timeout=60)
-    finally:
-        w.kill()
+    p, err = kill_worker_mid_generation(w, script)
     assert p.returncode == 1, err.decode()[-2000:]
     assert flag.read_text() == "saved"
     assert err.decode().strip().startswith(f"error: RPC worker {w.endpoint} stopped responding")
@@ -401,17 +408,7 @@ for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="non
         print("kill", flush=True)
         sys.stdin.readline()
 """
-    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg")}
-    try:
-        p = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=env)
-        assert p.stdout.readline() == b"kill\n"
-        w.kill()
-        p.stdin.write(b"\n")
-        p.stdin.flush()
-        out, err = p.communicate(timeout=60)
-    finally:
-        w.kill()
+    p, err = kill_worker_mid_generation(w, script, {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg")})
     assert p.returncode == 1, err.decode()[-2000:]
     from localspec.history import History
 
