@@ -153,24 +153,14 @@ def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
 
 def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
     """Measured verify-cost curve T(b)/T(1) of the target and the draft's per-token cost c."""
-    tgt = engine.target
-    tgt.clear()
-    ctx = tgt.tokenize("def main():\n    print('hello world')\n" * 8)
-    tgt.decode(ctx)
-    base = len(tgt.tokens)
-    curve = {}
-    for b in range(1, max_batch + 1):
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            tgt.decode(ctx[:b] if b <= len(ctx) else (ctx * b)[:b], "all")
-            ts.append(time.perf_counter() - t)
-            tgt.truncate(base)
-        curve[b] = statistics.median(ts)
+    from .exactness import time_batches
+
+    curve = time_batches(engine.target, max_batch, reps)
     c = 0.0
     if engine.draft is not None:
         d = engine.draft
         d.clear()
+        ctx = d.tokenize("def main():\n    print('hello world')\n" * 8)
         d.decode(ctx)
         dbase = len(d.tokens)
         ts = []
@@ -181,7 +171,6 @@ def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
             d.truncate(dbase)
         c = statistics.median(ts) / curve[1]
         d.clear()
-    tgt.clear()
     return {"t": curve, "ratio": {b: v / curve[1] for b, v in curve.items()}, "c": c}
 
 

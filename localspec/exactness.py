@@ -141,8 +141,9 @@ COST_MIN_UPTO = 9  # measured at least up to this batch (k = 8), so most k chang
 COST_REPS = 3
 
 
-def _measure_costs(model, upto: int) -> dict[int, float]:
-    """T(b) / T(1) for b in 1..upto: the median of COST_REPS timed decodes of b rows after a 64-token prefix."""
+def time_batches(model, upto: int, reps: int = COST_REPS) -> dict[int, float]:
+    """Seconds per decode of b rows (all logits, as a verify pass) for b in 1..upto, the median of `reps` timed
+    decodes after a 64-token prefix; the model's cache is restored afterwards. Also bench's same-run curve."""
     saved = list(model.tokens)
     model.clear()
     try:
@@ -154,17 +155,23 @@ def _measure_costs(model, upto: int) -> dict[int, float]:
         t = {}
         for b in range(1, upto + 1):
             ts = []
-            for _ in range(COST_REPS):
+            for _ in range(reps):
                 t0 = time.perf_counter()
                 model.decode(ids[64 : 64 + b], "all")
                 ts.append(time.perf_counter() - t0)
                 model.truncate(base)
             t[b] = statistics.median(ts)
-        return {b: v / t[1] for b, v in t.items()}
+        return t
     finally:
         model.clear()
         if saved:
             model.decode(saved, "last")
+
+
+def _measure_costs(model, upto: int) -> dict[int, float]:
+    """T(b) / T(1) for b in 1..upto."""
+    t = time_batches(model, upto)
+    return {b: v / t[1] for b, v in t.items()}
 
 
 def verify_costs(model, upto: int) -> dict[int, float]:
