@@ -503,13 +503,12 @@ def create_app(session, *, api_key: str | None = None, queue_size: int = DEFAULT
             for key, setting in (("method", "method"), ("k", "draft_tokens"), ("exactness", "exactness")):
                 if getattr(req.localspec, key) is not None:
                     changes[setting] = getattr(req.localspec, key)
-            if changes.get("method") == "draft" and session.engine is not None and session.engine.draft is None:
-                raise APIError(400, "method draft needs a draft model, and this server has none loaded",
-                               param="localspec.method")
         v = {**base, **changes}
         try:
             S.validate(v)
-            return S.gen_config(v, stops(req.stop))
+            cfg = S.gen_config(v, stops(req.stop))
+            engine.resolve_method(cfg)  # e.g. method draft without a draft model: 400 before the request queues
+            return cfg
         except UsageError as exc:
             raise usage_error(exc) from None
 

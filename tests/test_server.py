@@ -387,6 +387,8 @@ def test_serve_loopback_has_no_warning_and_no_auth(target_path, tmp_path):
         assert url.startswith("http://127.0.0.1:") and not any("warning" in l for l in lines)
         c = openai.OpenAI(base_url=url + "/v1", api_key="anything")
         assert c.completions.create(model="localspec", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+        with pytest.raises(openai.BadRequestError, match="draft model"):  # no draft loaded: refused before queueing
+            c.completions.create(model="localspec", prompt="hi", max_tokens=2, extra_body={"localspec": {"method": "draft"}})
     finally:
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=60)
