@@ -64,3 +64,13 @@ def smollm_path() -> Path:
     if not p.is_file():
         pytest.skip(f"real model absent: {p} (run ../shared/models/fetch-real-models.sh)")
     return p
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    """A fresh HF cache, config and localspec cache, hub access allowed (the fake hub tests point HF_ENDPOINT)."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return tmp_path

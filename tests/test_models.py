@@ -16,15 +16,6 @@ from localspec.registry import FileSpec
 
 
 @pytest.fixture
-def env(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    return tmp_path
-
-
-@pytest.fixture
 def hub(env, monkeypatch, target_path, draft_path, other_vocab_path):
     with FakeHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
