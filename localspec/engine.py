@@ -151,6 +151,7 @@ class Engine:
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
         self._exact: dict[int, int] = {}
+        self._costs: dict[int, float] = {}  # the verify-cost calibration, once read (not a file read per answer)
         self.last_stats: Stats | None = None
         self._assembler: TextAssembler | None = None
         self._template_source = chat_template
@@ -285,9 +286,11 @@ class Engine:
         """T(b)/T(1) of the target on this machine (measured once, cached); None where it cannot be measured."""
         if os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
             return None
-        from .exactness import verify_costs
+        if len(self._costs) < upto:
+            from .exactness import verify_costs
 
-        return verify_costs(self.target, upto)
+            self._costs = verify_costs(self.target, upto)
+        return self._costs
 
     def exact_k(self, k: int) -> int:
         """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding."""
