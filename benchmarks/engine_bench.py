@@ -10,7 +10,7 @@ import argparse
 import statistics
 import time
 
-from localspec.engine import Engine, GenConfig
+from localspec.core.engine import Engine, GenConfig
 
 PROMPTS = {
     "code": "Write a Python function that returns the n-th Fibonacci number iteratively, with a docstring.",

@@ -138,7 +138,7 @@ def stop(procs) -> None:
 
 # ------------------------------------------------------------------ the measurement
 def measure(engine, prompts, n: int, k: int):
-    from localspec.engine import GenConfig
+    from localspec.core.engine import GenConfig
 
     out = {}
     for method in ("none", "auto"):
@@ -172,9 +172,9 @@ def main(argv=None) -> None:
     # client and workers share this machine's cores: spinning OpenMP threads would take each other's cores
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.path.insert(0, str(ROOT))
-    from localspec.backend import default_threads
-    from localspec.bench import load_prompts
-    from localspec.engine import Engine
+    from localspec.llama.sysinfo import default_threads
+    from localspec.bench.runner import load_prompts
+    from localspec.core.engine import Engine
 
     threads = a.threads or default_threads()
     rtts = [float(x) for x in a.rtt.split(",")]

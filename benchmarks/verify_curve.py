@@ -5,9 +5,7 @@ import statistics
 import sys
 import time
 
-from localspec.backend import Model
-
-
+from localspec.llama.model import Model
 def main(path, sizes=(1, 2, 3, 4, 5, 6, 8, 12, 16), reps=5, threads=None):
     m = Model(path, n_ctx=2048, n_threads=threads)
     prompt = m.tokenize("def fibonacci(n):\n    " * 20)

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from . import config
-from .config import Setting
-from .errors import UsageError
+from localspec import settings as config
+from localspec.settings import Setting
+from localspec.core import defaults as D
+from localspec.errors import SettingError, UsageError
 
 # keys `localspec tune` stores -> setting names
 TUNED_KEYS = {"method": "method", "k": "draft_tokens", "p_min": "p_min"}
@@ -30,7 +31,7 @@ def tuned_results() -> dict:
 
 def pair_for(model: str | None):
     """The registry pair a model setting names, or None for a path or a hub name."""
-    from . import registry
+    from localspec.models import registry
 
     if not model:
         return None
@@ -39,7 +40,7 @@ def pair_for(model: str | None):
 
 
 def tuned_key(model: str, pair) -> str:
-    from . import hfname
+    from localspec.models import hubname as hfname
 
     if pair is not None:
         return pair.name
@@ -81,46 +82,45 @@ def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, A
 
 
 def validate(v: dict[str, Any]) -> None:
-    """The checks every front end applies before anything is loaded (run, chat and its slash commands, bench)."""
-    from .engine import METHODS
-
-    if v.get("method") not in METHODS:
-        raise UsageError(f"unknown method {v.get('method')!r}; choose one of {', '.join(METHODS)}")
-    from .backend import check_threads
+    """The checks every front end applies before anything is loaded (run, chat and its slash commands, bench). The
+    generation settings (method, k, sampling, lookup ranges) are checked by the engine's own GenConfig, once."""
+    from localspec.llama.sysinfo import check_threads
 
     check_threads(v.get("threads"))
     ctx = v.get("ctx_size")
-    if ctx is not None and ctx < 16:
-        raise UsageError(f"context size must be >= 16, got {ctx}")
+    if ctx is not None and ctx < D.MIN_CTX:
+        raise SettingError(f"context size ({{ctx_size}}) must be >= {D.MIN_CTX}, got {ctx}", "ctx_size")
     for key in ("temperature", "top_p", "min_p", "p_min"):
         x = v.get(key)
         if x is not None and not math.isfinite(x):
-            raise UsageError(f"{key.replace('_', '-')} must be a finite number, got {x}")
+            raise SettingError(f"{{{key}}} must be a finite number, got {x}", key)
     seed = v.get("seed")
     if seed is not None and not 0 <= seed < 2**63:
-        raise UsageError(f"seed must be between 0 and 2^63-1, got {seed}")
-    gen_config(v)  # k, sampling and lookup ranges
+        raise SettingError(f"{{seed}} must be between 0 and 2^63-1, got {seed}", "seed")
+    gen_config(v)  # method, exactness, k, sampling and lookup ranges
 
 
 def gen_config(v: dict[str, Any], stop=None):
-    """The engine's GenConfig from resolved setting values (validated there)."""
-    from .engine import GenConfig
-    from .sampling import SamplingParams
+    """The engine's GenConfig from resolved setting values (validated there); unset values take the defaults."""
+    from localspec.core.engine import GenConfig
+    from localspec.core.sampling import SamplingParams
 
-    k = v.get("draft_tokens")
+    def val(key, default):
+        return default if v.get(key) is None else v[key]
+
     return GenConfig(
-        method=v.get("method") or "auto",
-        k=4 if k is None else int(k),
-        max_tokens=v.get("max_tokens") if v.get("max_tokens") is not None else 512,
+        method=val("method", D.METHOD),
+        k=int(val("draft_tokens", D.DRAFT_TOKENS)),
+        max_tokens=val("max_tokens", D.MAX_TOKENS),
         stop=tuple(stop or ()),
         sampling=SamplingParams(
-            temperature=v.get("temperature") or 0.0, top_k=v.get("top_k") or 0,
-            top_p=1.0 if v.get("top_p") is None else v["top_p"], min_p=v.get("min_p") or 0.0, seed=v.get("seed"),
+            temperature=val("temperature", 0.0), top_k=val("top_k", 0), top_p=val("top_p", 1.0),
+            min_p=val("min_p", 0.0), seed=v.get("seed"),
         ),
-        p_min=0.75 if v.get("p_min") is None else v["p_min"],
-        lookup_min=v.get("lookup_min") or 2,
-        lookup_max=v.get("lookup_max") or 4,
-        exactness=v.get("exactness") or "auto",
+        p_min=val("p_min", D.P_MIN),
+        lookup_min=val("lookup_min", D.LOOKUP_MIN),
+        lookup_max=val("lookup_max", D.LOOKUP_MAX),
+        exactness=val("exactness", D.EXACTNESS_LEVEL),
     )
 
 
@@ -161,7 +161,7 @@ class Session:
 
     def check(self) -> None:
         """Fail on bad values (and unreachable RPC workers) before loading gigabytes."""
-        from . import rpc
+        from localspec.rpc import protocol as rpc
 
         v = self.values()
         validate(v)
@@ -177,8 +177,10 @@ class Session:
         (hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT]); hub files are fetched on first use. When a file must be
         downloaded, the pair check runs first on the GGUF headers: an incompatible draft is an error before any
         download, or, with --method auto, is dropped without being downloaded (the reason in dropped_draft)."""
-        from . import download, hfname, registry
-        from .registry import FileSpec
+        from localspec.models import download
+        from localspec.models import hubname as hfname
+        from localspec.models import registry
+        from localspec.models.spec import FileSpec
 
         v = self.values()
         model, draft, method = v["model"], v["draft"], v["method"]
@@ -220,7 +222,7 @@ class Session:
 
     def load(self):
         """Resolve, fetch and load the models; the engine replaces any loaded before."""
-        from .engine import Engine
+        from localspec.core.engine import Engine
 
         self.check()
         target, draft, pair = self.resolve_models()
@@ -232,9 +234,10 @@ class Session:
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
             rpc=v.get("rpc"), tensor_split=v.get("tensor_split"), chat_template=self.chat_template,
         )
-        from . import backend, history
+        from localspec.llama import aborts
+        from localspec.store import history
 
-        backend.on_abort(history.save_now)  # llama.cpp may kill the process (a dead RPC worker): keep the chat
+        aborts.on_abort(history.save_now)  # llama.cpp may kill the process (a dead RPC worker): keep the chat
         if engine.dropped_draft is None and self.dropped_draft:
             engine.dropped_draft = self.dropped_draft  # dropped before its download
         self.close()
@@ -274,7 +277,7 @@ def generation_slot(waiting: Callable[[str], None] | None = None, poll_s: float 
     turn, they finish sooner. Yields the slot number; `waiting` is told once when another process holds them all."""
     from filelock import FileLock, Timeout
 
-    from .cachefile import cache_dir
+    from localspec.store.cachefile import cache_dir
 
     n = parallel_slots()
     d = cache_dir() / "locks"

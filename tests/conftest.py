@@ -31,8 +31,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def _pick(model_dir: Path, name: str, seeds) -> Path:
     """First seed whose plain greedy decoding keeps a wide top-2 margin on every test prompt."""
-    from localspec.backend import Model
-
+    from localspec.llama.model import Model
     for seed in seeds:
         path = write_model(model_dir / f"{name}.gguf", seed)
         with Model(path, n_ctx=1024) as m:

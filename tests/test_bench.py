@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from localspec import bench as B
-from localspec.engine import Engine
+from localspec.bench import runner as B
+from localspec.core.engine import Engine
 
 
 def rr(config, method, k, cat, tps, speedup=None, exact=None, drafted=0, accepted=0, passes=10, lat=1.0):
@@ -74,7 +74,7 @@ def test_parse_configs_and_prompts(tmp_path):
 
 def test_run_bench_flags_a_broken_config(target_path, draft_path, monkeypatch):
     """A deliberately broken verifier (accepts every draft) must show up as a mismatch with its position."""
-    import localspec.engine as eng
+    import localspec.core.engine as eng
 
     e = Engine.load(target_path, draft_path, n_ctx=1024)
     try:
@@ -168,8 +168,8 @@ def test_audit_calls_a_real_near_tie_flip_numeric(tmp_path, monkeypatch):
 def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, monkeypatch, capsys):
     import io
 
-    import localspec.engine as eng
-    from localspec.cli import main
+    import localspec.core.engine as eng
+    from localspec.cli.main import main
 
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -70,8 +70,7 @@ def test_stdout_is_only_the_answer(target_path):
 
 
 def test_stdin_is_joined_before_prompt(target_path):
-    from localspec.backend import Model
-
+    from localspec.llama.model import Model
     with Model(target_path, n_ctx=256) as m:
         expected = len(m.tokenize("piped\n\nquestion", parse_special=False))
     r = cli(["run", "-m", str(target_path), "-n", "2", "--json", "--raw", "question"], stdin=b"piped")
@@ -174,7 +173,7 @@ def run_main(args, capsys, monkeypatch):
     """The entry point in-process (so a test can stub the exactness probe): (exit code, stdout, stderr)."""
     import io
 
-    from localspec.cli import main
+    from localspec.cli.main import main
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing piped
     with pytest.raises(SystemExit) as exc:
@@ -184,7 +183,7 @@ def run_main(args, capsys, monkeypatch):
 
 
 def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, monkeypatch, capsys):
-    import localspec.exactness as ex
+    import localspec.core.exactness as ex
 
     monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: 1)  # what a GPU build measures
     base = ["run", "-m", str(target_path), "-d", str(target_path), "--method", "draft", "-k", "4", "-n", "24", "--raw", "the cat"]
@@ -206,10 +205,10 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     """CI regression: 12 tokens in under 50 ms gave "tokens_per_second": null (the live display's noise floor)."""
     from types import SimpleNamespace
 
-    from localspec.cli import result_json
-    from localspec.server import localspec_stats
-    from localspec.stats import Stats
-    from localspec.engine import GenConfig
+    from localspec.cli.main import result_json
+    from localspec.server.app import localspec_stats
+    from localspec.core.stats import Stats
+    from localspec.core.engine import GenConfig
 
     st = Stats(completion_tokens=12, elapsed_s=0.02)
     eng = SimpleNamespace(target=SimpleNamespace(name="t.gguf"), draft=None, dropped_draft=None)

@@ -34,7 +34,7 @@ def wait_for_tokens(p, timeout=180.0):
     (taken right before generating), then a little longer."""
     from filelock import FileLock, Timeout
 
-    from localspec.cachefile import cache_dir
+    from localspec.store.cachefile import cache_dir
 
     lock = FileLock(str(cache_dir() / "locks" / "generation-slot-0.lock"))
     t = time.monotonic()

@@ -2,14 +2,31 @@
 
 import numpy as np
 
-from localspec.controller import AdaptivePolicy, DrafterEstimate, VerifyCurve, best_k, expected_tokens
+from localspec.core.policy import AdaptivePolicy, DrafterEstimate, VerifyCurve, best_k, expected_tokens
+from localspec.drafters.base import Drafter, Offer
 
 T1 = 0.030
 
 
-class FakeDrafter:
+class FakeDrafter(Drafter):
+    """The drafter contract with nothing behind it: the controller sees only offers and outcomes."""
+
     def __init__(self, name="draft"):
         self.name = name
+
+    def propose(self, context, k, sp, rng):
+        raise AssertionError("the controller never proposes")
+
+
+class FakeLookup(FakeDrafter):
+    """Offers what `match` finds, judged per match length, as prompt lookup does."""
+
+    def __init__(self):
+        super().__init__("lookup")
+
+    def offer(self, context, k):
+        tokens, n = self.match(context, k)
+        return Offer(len(tokens), f"lookup@{n}") if tokens else None
 
 
 def simulate(policy, alpha_at, c, curve, steps, rng, name="draft"):
@@ -60,9 +77,9 @@ def test_regime_change_is_followed():
 
 
 def test_lookup_only_considered_with_a_match():
-    class Lookup(FakeDrafter):
+    class Lookup(FakeLookup):
         def __init__(self):
-            super().__init__("lookup")
+            super().__init__()
             self.proposal = []
 
         def match(self, context, k):
@@ -94,10 +111,7 @@ def test_one_outlier_measurement_does_not_switch_speculation_off_for_good():
     cost; every k then looked hopeless, the drafter was never probed again, and the curve was never re-measured:
     auto stayed plain for the remaining 29 prompts (0 tokens drafted, code_edit 0.99x where bit had 1.18x)."""
 
-    class Lookup(FakeDrafter):
-        def __init__(self):
-            super().__init__("lookup")
-
+    class Lookup(FakeLookup):
         def match(self, context, k):
             return [7] * k, 2
 
@@ -131,9 +145,9 @@ def test_lookup_is_judged_per_match_length():
     into one acceptance figure, so failed 2-token matches in the prose made it decline the 4-token matches of the
     code being copied. Each match length now has its own estimate."""
 
-    class Lookup(FakeDrafter):
+    class Lookup(FakeLookup):
         def __init__(self):
-            super().__init__("lookup")
+            super().__init__()
             self.n = 2
 
         def match(self, context, k):

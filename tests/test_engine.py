@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 
 from conftest import N_EXACT, PROMPTS
-from localspec.backend import Model
-from localspec.engine import Engine, Finished, GenConfig, Piece, TextAssembler
+from localspec.llama.model import Model
+from localspec.core.engine import Engine, Finished, GenConfig, Piece, TextAssembler
 from localspec.errors import ContextOverflowError, IncompatibleDraftError, UsageError
-from localspec.sampling import SamplingParams
+from localspec.core.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +105,8 @@ def test_pair_check_refuses_other_vocab(target_path, other_vocab_path):
 
 
 def test_pair_check_reports_first_difference():
-    from localspec.compat import VocabInfo
-    from localspec.compat import first_difference
+    from localspec.models.pair import VocabInfo
+    from localspec.models.pair import first_difference
 
     a = VocabInfo("bpe", 100, 1, 2, False, False, [b"t%d" % i for i in range(100)])
     assert first_difference(a, a) is None
@@ -180,8 +180,9 @@ def test_context_full_ends_with_length(target_path):
         r = e.complete(p, GenConfig(method="draft", k=8, max_tokens=500))
         assert r.finish_reason == "length"
         assert len(p) + len(r.tokens) == e.target.n_ctx + 1  # the pending last token needs no KV slot
-        with pytest.raises(ContextOverflowError, match="-c"):
+        with pytest.raises(ContextOverflowError, match="ctx_size") as exc:  # the engine names the setting ...
             e.complete(e.raw_prompt("x " * 400), GenConfig())
+        assert "use -c 1024 " in exc.value.worded({"ctx_size": "-c"})  # ... and the CLI words it as its flag
     finally:
         e.close()
 
@@ -229,9 +230,9 @@ def test_sampled_speculation_matches_plain_distribution(target_path, draft_path)
 
 def test_exact_batch_probe_caps_k(target_path, plain):
     """k is capped so that verify batches are bit-identical to one-token decodes; the probe measures it."""
-    from localspec.exactness import probe
+    from localspec.core.exactness import probe
 
-    with Model(target_path, n_ctx=512) as m:
+    with Model(target_path, n_ctx=1024) as m:  # the engine below probes with the same context (and long prefix)
         best = probe(m, 9)
         assert 1 <= best <= 9
         ids = m.tokenize("the cat")
@@ -274,7 +275,7 @@ def test_large_k_uncapped_still_exact_with_wide_margins(target_path, plain, monk
 def test_exactness_levels_when_the_probe_answers_1(target_path, plain, monkeypatch):
     """A backend whose verify batches are never bit-identical (every GPU): `bit` falls back to plain decoding,
     `auto` speculates anyway at level lossless and says why, `lossless` never probes."""
-    import localspec.exactness as ex
+    import localspec.core.exactness as ex
 
     calls = []
     monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: calls.append(upto) or 1)
@@ -298,7 +299,7 @@ def test_exactness_levels_when_the_probe_answers_1(target_path, plain, monkeypat
 
 @pytest.mark.parametrize("answer, level, k_cap", [(2, "lossless", 8), (3, "bit", 2), (9, "bit", 8)])
 def test_auto_exactness_keeps_bit_when_two_drafts_fit(target_path, monkeypatch, answer, level, k_cap):
-    import localspec.exactness as ex
+    import localspec.core.exactness as ex
 
     monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: min(answer, upto))
     e = Engine.load(target_path, None, n_ctx=512)
@@ -322,7 +323,7 @@ def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_pa
     to the exact batch), caches it with the exact batch, and re-measures an entry from before deviations."""
     import json
 
-    import localspec.exactness as ex
+    import localspec.core.exactness as ex
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     with Model(target_path, n_ctx=1024) as m:
@@ -348,7 +349,7 @@ def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_pa
 
 def test_cache_writes_are_atomic(monkeypatch, tmp_path):
     """A failed write leaves the previous file whole (a temp file, then os.replace) and no temp file behind."""
-    from localspec import cachefile
+    from localspec.store import cachefile
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     cachefile.write_json("x.json", {"a": 1})
@@ -365,11 +366,11 @@ def test_cache_writes_are_atomic(monkeypatch, tmp_path):
 
 def test_gpu_layers_default_to_all_when_there_is_a_gpu(target_path, monkeypatch):
     """Unset gpu layers resolve at load time: all (-1) when llama.cpp has a GPU device, else 0; a given count wins."""
-    import localspec.backend as be
-
-    assert be.supports_gpu_offload() == any(d["type"] in ("gpu", "igpu") for d in be.devices())
+    from localspec.llama import ggml
+    from localspec.llama import sysinfo
+    assert sysinfo.supports_gpu_offload() == any(d["type"] in ("gpu", "igpu") for d in ggml.devices())
     for has_gpu, want in ((False, 0), (True, -1)):
-        monkeypatch.setattr(be, "supports_gpu_offload", lambda: has_gpu)
+        monkeypatch.setattr(sysinfo, "supports_gpu_offload", lambda: has_gpu)
         e = Engine.load(target_path, target_path, n_ctx=256)
         try:
             assert e.target.n_gpu_layers == want and e.draft.n_gpu_layers == want

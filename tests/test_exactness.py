@@ -4,9 +4,8 @@ import pytest
 
 
 def test_verify_costs_are_measured_once_and_cached(target_path, tmp_path, monkeypatch):
-    from localspec import exactness as X
-    from localspec.backend import Model
-
+    from localspec.core import exactness as X
+    from localspec.llama.model import Model
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     with Model(target_path, n_ctx=512) as m:
         r = X.verify_costs(m, 5)
@@ -19,8 +18,8 @@ def test_verify_costs_are_measured_once_and_cached(target_path, tmp_path, monkey
 
 def test_the_engine_reads_the_calibration_once(target_path, tmp_path, monkeypatch):
     """make_policy runs for every answer: the calibration is read from the cache file once per engine, not each time."""
-    from localspec import exactness as X
-    from localspec.engine import Engine, GenConfig
+    from localspec.core import exactness as X
+    from localspec.core.engine import Engine, GenConfig
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     calls = []

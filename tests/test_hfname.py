@@ -8,9 +8,11 @@ import sys
 import pytest
 
 from fakehub import FakeHub
-from localspec import download, hfname, registry
+from localspec.models import download
+from localspec.models import hubname as hfname
+from localspec.models import registry
 from localspec.errors import DownloadError, UsageError
-from localspec.hfname import HubName, RepoFile, parse, pick
+from localspec.models.hubname import HubName, RepoFile, parse, pick
 
 REPO = "test/tiny-GGUF"
 

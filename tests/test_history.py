@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from localspec.chatexport import close_fences, open_fence, to_markdown
+from localspec.store.exports import close_fences, open_fence, to_markdown
 
 
 def test_open_fence_follows_commonmark():
@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from localspec import history as H
-from localspec.history import History
+from localspec.store import history as H
+from localspec.store.history import History
 
 
 @pytest.fixture(autouse=True)
@@ -123,7 +123,7 @@ def test_rename_delete_and_unknown_ids():
 
 WRITER = textwrap.dedent("""
     import sys
-    from localspec.history import History
+    from localspec.store.history import History
     store = History()
     cid = store.new_chat("proc " + sys.argv[1])
     for i in range(int(sys.argv[2])):
@@ -154,7 +154,7 @@ def test_two_processes_writing_at_once_lose_nothing(tmp_path):
 
 CRASHER = textwrap.dedent("""
     import os
-    from localspec.history import History
+    from localspec.store.history import History
     store = History()
     cid = store.new_chat("crash")
     store.add_message(cid, "user", "tell me a story")
@@ -200,7 +200,7 @@ def test_an_answer_streaming_in_a_live_process_is_not_called_interrupted():
 
 
 def test_history_setting_is_a_bool_from_file_env_or_flag(tmp_path, monkeypatch):
-    from localspec import config
+    from localspec import settings as config
     from localspec.errors import UsageError
 
     assert config.values()["history"] is True
@@ -317,7 +317,7 @@ def test_chat_passes_runtime_flags_and_the_store_to_the_app(monkeypatch, stored)
     """`chat` takes run's runtime flags; with a terminal it opens the app on the session, the history and the
     chat to resume (the app itself is not run here)."""
     import localspec.tui.app as tui
-    from localspec import cli as C
+    from localspec.cli import main as C
 
     a, b = stored
     seen = {}
@@ -354,7 +354,7 @@ def test_a_locked_database_at_open_is_waited_for(tmp_path, monkeypatch):
     timeout) and gave up. Opening now retries such a transient lock until the busy timeout."""
     import sqlite3
 
-    from localspec import history as H
+    from localspec.store import history as H
 
     real_connect = sqlite3.connect
     failures = {"n": 2}

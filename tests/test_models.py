@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from fakehub import FakeHub
-from localspec import download, registry
+from localspec.models import download
+from localspec.models import registry
 from localspec.errors import DownloadError, UsageError
-from localspec.registry import FileSpec
+from localspec.models.spec import FileSpec
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_mirror_fallback_and_resume(hub, target_path):
 
 
 def test_header_only_compatibility_before_download(hub, env):
-    from localspec.cli import _remote_compat
+    from localspec.cli.main import _remote_compat
 
     good = registry.Pair("good", "", spec("target.gguf"), spec("draft.gguf"))
     _remote_compat(good)
@@ -167,8 +168,8 @@ def test_incompatible_pair_refused_before_download(hub):
 
 def test_doctor_json(env, target_path):
     """Backends compiled in, llama.cpp's devices with memory, and every cached exactness probe."""
-    from localspec.backend import Model
-    from localspec.exactness import max_exact_batch
+    from localspec.llama.model import Model
+    from localspec.core.exactness import max_exact_batch
 
     with Model(target_path, n_ctx=512) as m:
         best = max_exact_batch(m, 4)  # cached in env's cache dir, which doctor reads
@@ -190,8 +191,8 @@ def test_doctor_json(env, target_path):
 
 
 def test_doctor_lists_verify_costs(target_path):
-    from localspec.backend import Model
-    from localspec.exactness import COST_MIN_UPTO, verify_costs
+    from localspec.llama.model import Model
+    from localspec.core.exactness import COST_MIN_UPTO, verify_costs
 
     with Model(target_path, n_ctx=512) as m:
         ratio = verify_costs(m, 4)

@@ -1,6 +1,6 @@
 """Smoke test on a real model (SmolLM2-135M-Instruct Q4_1). Skipped with a reason when the file is absent."""
 
-from localspec.engine import Engine, GenConfig
+from localspec.core.engine import Engine, GenConfig
 
 N = 64
 

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from localspec import rpc
+from localspec.rpc import protocol as rpc
 from localspec.errors import UsageError
 
 SECURITY = "the RPC protocol has no authentication and no encryption"
@@ -132,7 +132,7 @@ class FakeServer:
 
 
 def local_plain(path, prompts, n):
-    from localspec.engine import Engine, GenConfig
+    from localspec.core.engine import Engine, GenConfig
 
     e = Engine.load(path, n_ctx=1024)
     try:
@@ -227,7 +227,7 @@ PROMPTS = ["Hello world, the x = y + 1", "def f(x): return x"]
 
 
 def test_split_target_same_tokens_as_local_plain(workers, target_path, draft_path):
-    from localspec.engine import Engine, GenConfig
+    from localspec.core.engine import Engine, GenConfig
 
     n = 48
     want = local_plain(target_path, PROMPTS, n)
@@ -308,8 +308,7 @@ def test_not_an_rpc_worker_is_one_error_line(target_path, reply, why):
 
 
 def test_abort_message():
-    from localspec.backend import abort_message
-
+    from localspec.llama.aborts import abort_message
     port = free_port()
     line = abort_message("/src/ggml-rpc.cpp:569: Remote RPC server crashed or returned malformed response",
                          [f"127.0.0.1:{port}"])
@@ -365,9 +364,9 @@ def test_abort_hooks_run_before_the_process_dies(tmp_path, target_path):
     flag = tmp_path / "saved"
     script = f"""
 import sys
-from localspec import backend
-from localspec.engine import Engine, GenConfig
-backend.on_abort(lambda: open({str(flag)!r}, "w").write("saved"))
+from localspec.llama import aborts
+from localspec.core.engine import Engine, GenConfig
+aborts.on_abort(lambda: open({str(flag)!r}, "w").write("saved"))
 e = Engine.load({str(target_path)!r}, n_ctx=4096, rpc={w.endpoint!r})
 for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="none", max_tokens=4000))):
     if i == 3:
@@ -393,9 +392,9 @@ def test_a_dying_worker_leaves_the_streamed_answer_in_the_history(tmp_path, targ
     db = tmp_path / "history.sqlite3"
     script = f"""
 import sys
-from localspec.history import History
+from localspec.store.history import History
 from localspec.session import Session
-from localspec.engine import GenConfig
+from localspec.core.engine import GenConfig
 s = Session({{"model": {str(target_path)!r}, "rpc": {w.endpoint!r}, "method": "none", "ctx_size": 4096}}, quiet=True)
 e = s.load()
 h = History({str(db)!r})
@@ -410,7 +409,7 @@ for i, ev in enumerate(e.generate(e.raw_prompt("the cat"), GenConfig(method="non
 """
     p, err = kill_worker_mid_generation(w, script, {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg")})
     assert p.returncode == 1, err.decode()[-2000:]
-    from localspec.history import History
+    from localspec.store.history import History
 
     h = History(db)
     try:

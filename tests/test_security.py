@@ -18,7 +18,7 @@ IM_START, IM_END = 3, 4  # the tiny vocab's chat markers (control tokens)
 
 @pytest.fixture(scope="module")
 def engine(target_path):
-    from localspec.engine import Engine
+    from localspec.core.engine import Engine
 
     e = Engine.load(target_path, n_ctx=512)
     yield e
@@ -27,7 +27,7 @@ def engine(target_path):
 
 @pytest.fixture(scope="module")
 def smol(smollm_path):
-    from localspec.engine import Engine
+    from localspec.core.engine import Engine
 
     e = Engine.load(smollm_path, n_ctx=512)
     yield e
@@ -76,7 +76,7 @@ def test_cli_stdin_cannot_fake_a_turn(target_path, engine):
 
 # ------------------------------------------------------------------ 2. chat templates
 def test_template_is_the_models_own_jinja(engine, target_path, tmp_path):
-    from localspec.engine import Engine
+    from localspec.core.engine import Engine
 
     # a template llama.cpp's built-in matcher does not know: rendered by Jinja, not replaced by "role: content"
     tmpl = tmp_path / "t.jinja"
@@ -109,7 +109,7 @@ def test_smollm_template_adds_its_default_system_prompt(smol):
     ("{{ 1 / 0 }}", "failed: ZeroDivisionError"),
 ])
 def test_bad_templates_are_one_line_errors_naming_the_model(source, needle):
-    from localspec.chat_template import ChatTemplate, ChatTemplateError
+    from localspec.core.chat_template import ChatTemplate, ChatTemplateError
 
     with pytest.raises(ChatTemplateError) as info:
         ChatTemplate(source, origin="the chat template of m.gguf").render([{"role": "user", "content": "hi"}])
@@ -128,7 +128,7 @@ def test_cli_template_errors(target_path, tmp_path):
 
 
 def test_no_template_falls_back_with_one_warning(no_template_path):
-    from localspec.engine import Engine
+    from localspec.core.engine import Engine
 
     e = Engine.load(no_template_path, n_ctx=256)
     try:
@@ -143,7 +143,7 @@ def test_no_template_falls_back_with_one_warning(no_template_path):
 
 
 def test_segments_follow_trim_and_never_take_content_for_markup():
-    from localspec.chat_template import ChatTemplate
+    from localspec.core.chat_template import ChatTemplate
 
     t = ChatTemplate("{% for m in messages %}[{{ m['role'] }}]{{ m['content'] | trim }}[/]{% endfor %}", origin="t")
     msgs = [{"role": "user", "content": "  a[/][system]b  "}, {"role": "user", "content": "c"}]
@@ -196,8 +196,8 @@ def smollm_or_tiny(target_path):
 def test_interrupt_inside_load_aborts_and_raises(target_path):
     """In-process: a SIGINT during llama_model_load_from_file makes the progress callback stop the load, and
     KeyboardInterrupt comes out of Model() (the C no-op log callback runs no Python that could drop it)."""
-    from localspec import backend
-
+    from localspec.llama import lib
+    from localspec.llama import model
     calls = []
 
     def progress(self, fraction, user_data):
@@ -207,21 +207,21 @@ def test_interrupt_inside_load_aborts_and_raises(target_path):
         return self.received is None
 
     before = signal.getsignal(signal.SIGINT)
-    orig = backend._DeferSignals.progress
-    backend._DeferSignals.progress = progress
+    orig = lib.DeferSignals.progress
+    lib.DeferSignals.progress = progress
     try:
         with pytest.raises(KeyboardInterrupt):
-            backend.Model(target_path, n_ctx=64)
+            model.Model(target_path, n_ctx=64)
     finally:
-        backend._DeferSignals.progress = orig
+        lib.DeferSignals.progress = orig
     assert calls and calls[-1] < 1.0  # aborted before the end
     assert signal.getsignal(signal.SIGINT) is before
-    backend.Model(target_path, n_ctx=64).close()  # and the next load works
+    model.Model(target_path, n_ctx=64).close()  # and the next load works
 
 
 # ------------------------------------------------------------------ 5. the partial answer survives an interrupt
 def test_last_text_after_keyboard_interrupt(engine):
-    from localspec.engine import Finished, GenConfig, Piece
+    from localspec.core.engine import Finished, GenConfig, Piece
 
     gen = engine.generate(engine.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=100))
     got = ""
@@ -239,7 +239,8 @@ def test_last_text_after_keyboard_interrupt(engine):
 
 # ------------------------------------------------------------------ 7. thread counts
 def test_threads_refused_before_llama_cpp(target_path):
-    from localspec.backend import Model, max_threads
+    from localspec.llama.model import Model
+    from localspec.llama.sysinfo import max_threads
     from localspec.errors import UsageError
 
     hi = max_threads()

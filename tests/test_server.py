@@ -71,7 +71,7 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(target_path, draft_path, tmp_path_factory):
-    from localspec.server import create_app
+    from localspec.server.app import create_app
     from localspec.session import Session
 
     cfg_dir = tmp_path_factory.mktemp("cfg")
@@ -420,7 +420,7 @@ def test_serve_port_in_use_is_one_error_line(target_path, tmp_path):
 
 
 def test_exposure_warning_text():
-    from localspec.server import exposure_warning
+    from localspec.server.app import exposure_warning
 
     assert exposure_warning("127.0.0.1", 8080, None) is None
     assert exposure_warning("localhost", 8080, None) is None
@@ -435,8 +435,8 @@ def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
     when the wait timed out, so a non-streamed request's generation ran on after its client had gone."""
     import asyncio
 
-    from localspec import server as S
-    from localspec.engine import GenConfig
+    from localspec.server import app as S
+    from localspec.core.engine import GenConfig
 
     class GoneRequest:
         checks = 0

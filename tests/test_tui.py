@@ -192,7 +192,7 @@ def test_overwrite_dialog_defaults_to_no_esc_cancels_and_typing_is_kept(tmp_path
 
 
 def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
-    from localspec.chatexport import open_fence
+    from localspec.store.exports import open_fence
 
     app = create_app(settings(tmp_path / "missing.gguf"))
     md = tmp_path / "chat.md"
@@ -213,7 +213,7 @@ def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
 
 
 def test_chat_is_stored_as_it_happens_and_history_commands(target_path, tmp_path):
-    from localspec.history import History
+    from localspec.store.history import History
     from localspec.tui.app import ConfirmScreen
     from localspec.errors import UsageError
 
@@ -260,7 +260,7 @@ def test_chat_is_stored_as_it_happens_and_history_commands(target_path, tmp_path
 
 
 def test_resumed_chat_reuses_the_kv_cache_on_its_first_turn(target_path, tmp_path):
-    from localspec.history import History
+    from localspec.store.history import History
     from localspec.seq import common_prefix
 
     store = History(tmp_path / "h.sqlite3")
@@ -289,7 +289,7 @@ def test_an_interrupted_chat_is_offered_at_start(tmp_path):
     import subprocess
     import sys
 
-    from localspec import history as H
+    from localspec.store import history as H
 
     store = H.History(tmp_path / "h.sqlite3")
     cid = store.new_chat("tell me a story")
@@ -512,7 +512,7 @@ def test_compare_never_claims_a_speedup_without_speculation_and_not_outputs_when
 
 
 def test_sparkline_plots_the_recent_rate(tmp_path):
-    from localspec.stats import Stats
+    from localspec.core.stats import Stats
 
     app = create_app(settings(tmp_path / "missing.gguf"))
 
@@ -556,8 +556,8 @@ class ScriptedEngine:
         return len(tokens)
 
     def generate(self, tokens, cfg, cancel=None):
-        from localspec.engine import Finished, Piece
-        from localspec.stats import Stats
+        from localspec.core.engine import Finished, Piece
+        from localspec.core.stats import Stats
 
         st = self.last_stats = Stats(method="draft", prompt_tokens=len(tokens), k_cap=cfg.k)
         words = self.ANSWER.split(" ")

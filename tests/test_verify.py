@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from localspec.sampling import SamplingParams, probs, sample
-from localspec.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
 
 
 def test_greedy_accepts_prefix_then_target_token():

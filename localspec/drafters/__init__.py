@@ -1,7 +1,8 @@
-"""Drafters propose tokens for the target to verify; one proposer per module (as in vLLM)."""
+"""Drafters propose tokens for the target to verify; one proposer per module (as in vLLM), one contract
+(base.Drafter), and a registry of the kinds there are (registry.py)."""
 
-from .base import Drafter, Proposal
-from .draft_model import DraftModelDrafter
-from .prompt_lookup import PromptLookupDrafter
+from localspec.drafters.base import Drafter, Offer, Proposal
+from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.prompt_lookup import PromptLookupDrafter
 
-__all__ = ["Drafter", "Proposal", "DraftModelDrafter", "PromptLookupDrafter"]
+__all__ = ["Drafter", "Offer", "Proposal", "DraftModelDrafter", "PromptLookupDrafter"]

@@ -1,4 +1,21 @@
-"""The drafter interface the decoder talks to."""
+"""The drafter contract the engine and the controller talk to (after vLLM's v1 proposers and HF's
+CandidateGenerator: propose, then feedback on every generator).
+
+Every drafter implements the same methods, with defaults, so neither the engine nor the controller ever tests a
+drafter's name or attributes:
+
+- `begin(context)`: a generation starts from the prompt;
+- `offer(context, k)`: what it could propose this step without doing the work (None: nothing, e.g. no n-gram
+  match), and which estimate judges it (prompt lookup judges each match length apart);
+- `propose(context, k, sp, rng)`: up to k tokens, with the distribution they were drawn from;
+- `accept(n_drafted, n_accepted)`: the verify result of its own proposal;
+- `after_target_decode(tokens, positions)`: called after EVERY target decode (prefill, verify, replay after a
+  rollback, and steps where another drafter or none was chosen). Draft heads (MTP, EAGLE-3) read the target's
+  hidden states here: they live only until the target's next decode;
+- `cost()`: the draft cost per token relative to one target step, until measured (None: unknown);
+- `lag(context)`: tokens it must process before it can propose (a draft model's KV trailing the context);
+- `close()`.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import SamplingParams
+from localspec.core.sampling import SamplingParams
 
 
 @dataclass
@@ -16,21 +33,50 @@ class Proposal:
     tokens: list[int] = field(default_factory=list)
     # q[i] is the distribution tokens[i] was drawn from (target vocab size); None: deterministic (one-hot)
     q: np.ndarray | None = None
+    # seconds of this proposal spent catching up with the context (a prompt decoded by a draft model): not a
+    # per-token draft cost, so the controller does not learn the draft cost from this step
+    catch_up_s: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tokens)
 
 
+@dataclass(frozen=True)
+class Offer:
+    """What a drafter can propose this step: at most `k` tokens, judged by the estimate named `key`."""
+
+    k: int
+    key: str
+
+
 class Drafter(ABC):
     name: str = "drafter"
+    prior_alpha: float = 0.5  # acceptance assumed until measured
 
-    @abstractmethod
     def begin(self, context: Sequence[int]) -> None:
         """A generation starts from `context` (the prompt). Cheap to call again with a longer context."""
+
+    def offer(self, context: Sequence[int], k: int) -> Offer | None:
+        """Up to how many tokens this drafter can propose now (None: none at all), without proposing them."""
+        return Offer(k, self.name) if k > 0 else None
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
         """Up to k tokens that may follow `context` (which ends with the target's pending token)."""
 
-    def close(self) -> None:  # pragma: no cover - default no-op
-        pass
+    def accept(self, n_drafted: int, n_accepted: int) -> None:
+        """The target accepted the first n_accepted of the n_drafted tokens of this drafter's last proposal."""
+
+    def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        """The target just decoded `tokens` at `positions` (prefill, verify or replay), whoever drafted."""
+
+    def cost(self) -> float | None:
+        """Draft cost per token in target steps, used until measured; None: unknown (the controller's default)."""
+        return None
+
+    def lag(self, context: Sequence[int]) -> int:
+        """Tokens this drafter must process to catch up with `context` before it can propose."""
+        return 0
+
+    def close(self) -> None:
+        """Free what the drafter holds."""

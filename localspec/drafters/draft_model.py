@@ -7,25 +7,28 @@ from typing import Sequence
 
 import numpy as np
 
-from ..sampling import SamplingParams, probs, sample
-from ..seq import common_prefix
-from .base import Drafter, Proposal
+from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.seq import common_prefix
+from localspec.drafters.base import Drafter, Proposal
 
 
 class DraftModelDrafter(Drafter):
     name = "draft"
+    prior_alpha = 0.6
 
-    def __init__(self, model, n_vocab_target: int, p_min: float = 0.75) -> None:
-        self.model = model  # backend.Model (or anything with sync/decode/tokens)
+    def __init__(self, model, n_vocab_target: int, p_min: float = 0.75, cost: float | None = None) -> None:
+        """cost: the draft cost per token relative to one target step until measured (decoding is memory-bound:
+        the draft's file size over the target's is a fair first guess)."""
+        self.model = model  # llama.model.Model (or anything with sync/decode/tokens)
         self.n_vocab = n_vocab_target
         self.p_min = p_min
+        self._cost = cost
 
-    last_sync_s: float = 0.0  # time the last propose() spent catching up with the context (prompt included)
+    # begin(): lazy; the prompt is decoded at the first propose(), so a controller that never picks the draft
+    # model never pays for it (that catch-up time is reported apart from the per-token draft cost)
 
-    def begin(self, context: Sequence[int]) -> None:
-        # lazy: the prompt is decoded at the first propose(), so a controller that never picks the draft
-        # model never pays for it (its sync time is reported apart from the per-token draft cost)
-        pass
+    def cost(self) -> float | None:
+        return self._cost
 
     def lag(self, context: Sequence[int]) -> int:
         """Tokens the draft model would have to decode to catch up with `context` (its KV cache trails it)."""
@@ -44,7 +47,6 @@ class DraftModelDrafter(Drafter):
         return row
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
-        self.last_sync_s = 0.0
         if k <= 0:
             return Proposal()
         # leave room: the draft decodes at most k-1 tokens after syncing the context
@@ -54,7 +56,7 @@ class DraftModelDrafter(Drafter):
             return Proposal()
         t0 = time.perf_counter()
         logits = self.model.sync(context, copy=False)  # read before the next decode
-        self.last_sync_s = time.perf_counter() - t0 if len(context) - self.model.reused > 2 else 0.0
+        catch_up = time.perf_counter() - t0 if len(context) - self.model.reused > 2 else 0.0
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(k):
@@ -75,7 +77,7 @@ class DraftModelDrafter(Drafter):
             if i < k - 1:
                 logits = self.model.decode([t], "last", copy=False)[0]
         q = np.stack(qs) if qs else None
-        return Proposal(tokens, q)
+        return Proposal(tokens, q, catch_up_s=catch_up)
 
     def close(self) -> None:
         self.model.close()

@@ -7,10 +7,10 @@ from typing import Sequence
 
 import numpy as np
 
-from ..errors import UsageError
-from ..sampling import SamplingParams
-from ..seq import common_prefix
-from .base import Drafter, Proposal
+from localspec.errors import UsageError
+from localspec.core.sampling import SamplingParams
+from localspec.seq import common_prefix
+from localspec.drafters.base import Drafter, Offer, Proposal
 
 
 class PromptLookupDrafter(Drafter):
@@ -55,6 +55,15 @@ class PromptLookupDrafter(Drafter):
             if e is not None:
                 return toks[e : e + k], n
         return [], 0
+
+    def offer(self, context: Sequence[int], k: int) -> Offer | None:
+        """The match this step would propose: its length, judged per matched n-gram size ("lookup@4": a 4-token
+        match inside code being copied is accepted far more often than a 2-token match in prose)."""
+        tokens, n = self.match(context, k)
+        return Offer(len(tokens), f"{self.name}@{n}") if tokens else None
+
+    def cost(self) -> float:
+        return 0.0  # a dictionary lookup, next to nothing beside a target step
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
         if k <= 0:

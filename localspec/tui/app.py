@@ -16,13 +16,13 @@ from textual.message import Message
 from textual.screen import ModalScreen
 from textual.widgets import Button, Footer, Label, LoadingIndicator
 
-from ..cachefile import atomic_write
-from ..errors import LocalspecError, UsageError
-from .widgets.header_bar import HeaderBar
-from .widgets.prompt_box import PromptBox
-from .widgets.stats_panel import StatsPanel, rate_text
-from .widgets.transcript import Transcript
-from .widgets.welcome import Welcome
+from localspec.store.cachefile import atomic_write
+from localspec.errors import LocalspecError, UsageError
+from localspec.tui.widgets.header_bar import HeaderBar
+from localspec.tui.widgets.prompt_box import PromptBox
+from localspec.tui.widgets.stats_panel import StatsPanel, rate_text
+from localspec.tui.widgets.transcript import Transcript
+from localspec.tui.widgets.welcome import Welcome
 
 # every slash command: (command, argument, what it does); /help, the command palette and the README list these
 SLASH = [
@@ -319,7 +319,7 @@ class LocalspecApp(App):
             self.action_request_quit()
             return
         elif cmd == "/method":
-            from ..engine import METHODS
+            from localspec.core.engine import METHODS
 
             if arg not in METHODS:
                 raise UsageError(f"/method takes one of {', '.join(METHODS)}")
@@ -401,9 +401,9 @@ class LocalspecApp(App):
 
     @work(thread=True, exclusive=True, group="gen")
     def generate(self, messages, cfg, view, compare_with) -> None:
-        from ..engine import Finished
+        from localspec.core.engine import Finished
 
-        from ..session import generation_slot
+        from localspec.session import generation_slot
 
         try:
             with self._engine_lock:
@@ -658,7 +658,7 @@ class LocalspecApp(App):
     def save(self, path: Path) -> None:
         if path.suffix.lower() not in (".md", ".json"):
             raise UsageError("/save writes .md or .json files")
-        from ..chatexport import to_json, to_markdown
+        from localspec.store.exports import to_json, to_markdown
 
         data = self.transcript_data()
         if path.suffix.lower() == ".json":
@@ -723,7 +723,7 @@ def _stats_record(st) -> dict:
 
 def _display_name(model: str) -> str:
     """A pair name as is; a path as its file name."""
-    from ..registry import looks_like_path
+    from localspec.models.registry import looks_like_path
 
     return Path(model).name if looks_like_path(model) else model
 
@@ -733,7 +733,7 @@ def create_app(session, *, show_timings: bool = True, engine_loader=None, store=
     """The one app factory, used by `localspec chat` and by the tests. `session`: a session.Session, or a dict of
     settings given as flags. `store`: a history.History to store the chat in (None: nothing is stored);
     `resume`: a stored chat to reopen."""
-    from ..session import Session
+    from localspec.session import Session
 
     if not isinstance(session, Session):
         session = Session(dict(session), quiet=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.containers import VerticalScroll
 
-from .message import MessageView
+from localspec.tui.widgets.message import MessageView
 
 
 class Transcript(VerticalScroll):

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from .cachefile import read_json, write_json
+from localspec.store.cachefile import read_json, write_json
 
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
 LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
@@ -31,8 +31,7 @@ def _long_ok(model, upto: int) -> bool:
 
 def _key(model, upto: int) -> str:
     st = model.path.stat()
-    from .backend import llama_cpp_version
-
+    from localspec.llama.sysinfo import llama_cpp_version
     parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
              llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
              _long_ok(model, upto), upto]
@@ -90,8 +89,7 @@ def _measure_at(model, upto: int, prefix: int) -> tuple[int, dict[int, float]]:
 def _record(model, upto: int) -> dict:
     """The cached measurement for this model, build and settings; measured on a miss (or an entry from an older
     localspec that stored only the batch)."""
-    from .backend import llama_cpp_version
-
+    from localspec.llama.sysinfo import llama_cpp_version
     key = _key(model, upto)
     db = read_json(CACHE_FILE)
     entry = db.get(key)

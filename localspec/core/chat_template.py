@@ -18,7 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Sequence
 
-from .errors import LocalspecError, UsageError
+from localspec.errors import LocalspecError, UsageError
 
 
 class ChatTemplateError(LocalspecError):

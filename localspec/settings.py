@@ -6,36 +6,30 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
-
-import platformdirs
-
-from .errors import UsageError
+from localspec.core import defaults as D
+from localspec.errors import UsageError
+from localspec.store.tomlfile import config_dir, config_file, load_toml, update_file  # noqa: F401 - re-exported for front ends
 
 # key: (type, default, help)
 SETTINGS: dict[str, tuple[type, Any, str]] = {
     "model": (str, "qwen2.5-coder-1.5b", "pair name, hub model (OWNER/REPO[:QUANT], hf://…) or target GGUF path"),
     "draft": (str, None, "draft: hub model, GGUF path or pair name"),
-    "method": (str, "auto", "auto | draft | lookup | none"),
-    "exactness": (str, "auto", "bit (output identical to one-token decoding; k capped) | lossless (k uncapped; only "
+    "method": (str, D.METHOD, " | ".join(D.METHODS)),
+    "exactness": (str, D.EXACTNESS_LEVEL, "bit (output identical to one-token decoding; k capped) | lossless (k uncapped; only "
                                "float reduction order differs) | auto (bit when the cap leaves >= 2 draft tokens)"),
     "draft_tokens": (int, None, "k: draft tokens per step (default: the pair's k, else 4; auto: the most it may use)"),
-    "p_min": (float, 0.75, "draft model stops drafting when its top probability falls below this"),
-    "lookup_min": (int, 2, "shortest n-gram prompt lookup matches"),
-    "lookup_max": (int, 4, "longest n-gram prompt lookup matches"),
-    "max_tokens": (int, 512, "most tokens to generate"),
+    "p_min": (float, D.P_MIN, "draft model stops drafting when its top probability falls below this"),
+    "lookup_min": (int, D.LOOKUP_MIN, "shortest n-gram prompt lookup matches"),
+    "lookup_max": (int, D.LOOKUP_MAX, "longest n-gram prompt lookup matches"),
+    "max_tokens": (int, D.MAX_TOKENS, "most tokens to generate"),
     "temperature": (float, 0.0, "0 = greedy"),
     "top_k": (int, 0, "0 = off"),
     "top_p": (float, 1.0, "1 = off"),
     "min_p": (float, 0.0, "0 = off"),
     "seed": (int, None, "sampling seed (default: random)"),
-    "ctx_size": (int, 4096, "context size in tokens"),
+    "ctx_size": (int, D.CTX_SIZE, "context size in tokens"),
     "gpu_layers": (int, None, "target layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0)"),
     "draft_gpu_layers": (int, None, "draft layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0)"),
     "threads": (int, None, "CPU threads (default: all cores)"),
@@ -47,29 +41,6 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
-
-
-def config_dir() -> Path:
-    return Path(os.environ.get("LOCALSPEC_CONFIG_DIR") or platformdirs.user_config_dir("localspec"))
-
-
-def config_file() -> Path:
-    return Path(os.environ.get("LOCALSPEC_CONFIG") or config_dir() / "config.toml")
-
-
-def load_toml(path: Path) -> dict:
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"config file {path} is a directory (LOCALSPEC_CONFIG must name a file)")
-    if not path.is_file():
-        return {}
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except UnicodeDecodeError:
-        raise UsageError(f"cannot read config file {path}: it is not UTF-8 text") from None
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise UsageError(f"cannot read config file {path}: {exc}") from None
 
 
 def coerce(key: str, value: Any, source: str) -> Any:
@@ -126,44 +97,3 @@ def resolve(flags: dict[str, Any] | None = None) -> dict[str, Setting]:
 
 def values(flags: dict[str, Any] | None = None) -> dict[str, Any]:
     return {k: s.value for k, s in resolve(flags).items()}
-
-
-# ------------------------------------------------------------ writing TOML
-def _fmt(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_fmt(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_key(k)} = {_fmt(x)}" for k, x in v.items() if x is not None) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _fmt(k)
-
-
-def dumps_toml(data: dict, prefix: str = "") -> str:
-    """Small TOML writer for what localspec stores: scalars, lists, inline dicts in lists, nested tables."""
-    lines = [f"{_key(k)} = {_fmt(v)}" for k, v in data.items() if v is not None and not isinstance(v, dict)]
-    for k, v in data.items():
-        if isinstance(v, dict):
-            name = f"{prefix}.{_key(k)}" if prefix else _key(k)
-            lines += ["", f"[{name}]", dumps_toml(v, name).rstrip()]
-    return "\n".join(lines).strip() + "\n"
-
-
-def update_file(path: Path, fn) -> dict:
-    """Read-modify-write a TOML file under a cross-process lock, replaced atomically (the user's other keys are
-    kept; a concurrent reader sees the old or the new file)."""
-    from .cachefile import atomic_write, file_lock
-
-    with file_lock(f"config-{Path(path).resolve()}"):
-        data = load_toml(path)
-        fn(data)
-        atomic_write(path, dumps_toml(data))
-    return data

@@ -2,23 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Sequence
-
-from .errors import IncompatibleDraftError
-
-
-@dataclass
-class VocabInfo:
-    """Facts used by the pair check; built from a loaded model or from a GGUF header."""
-
-    vocab_type: str
-    n_vocab: int
-    bos: int
-    eos: int
-    add_bos: bool
-    add_eos: bool
-    token_text: Sequence[bytes] = field(repr=False, default_factory=list)
+from localspec.errors import IncompatibleDraftError
+from localspec.llama.vocab import VocabInfo
 
 
 MAX_VOCAB_SIZE_DIFF = 128

@@ -16,48 +16,51 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .compat import check_pair
-from .drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
-from .errors import ContextOverflowError, IncompatibleDraftError, UsageError
-from .sampling import SamplingParams, probs, sample
-from .stats import Stats
-from .verify import greedy_verify, one_hot, speculative_sampling
-
-METHODS = ("auto", "draft", "lookup", "none")
-EXACTNESS = ("auto", "bit", "lossless")
-MAX_K = 64
-AUTO_MIN_BIT_K = 2  # auto keeps bit-exactness when the probe's cap leaves at least this many draft tokens
+from localspec.core import defaults as D
+from localspec.core.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
+from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
+from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.core.stats import Stats
+from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
+from localspec.errors import ContextOverflowError, IncompatibleDraftError, SettingError, UsageError
+from localspec.models.pair import check_pair
 
 
 @dataclass
 class GenConfig:
-    method: str = "auto"
-    k: int = 4  # draft tokens per step (the most the controller may use in auto)
-    max_tokens: int = 256
+    """One generation's settings, as values (the front ends resolve flags, files and requests into these)."""
+
+    method: str = D.METHOD
+    k: int = D.DRAFT_TOKENS  # draft tokens per step (the most the controller may use in auto)
+    max_tokens: int = D.MAX_TOKENS
     stop: Sequence[str] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    p_min: float = 0.75
-    lookup_min: int = 2
-    lookup_max: int = 4
+    p_min: float = D.P_MIN
+    lookup_min: int = D.LOOKUP_MIN
+    lookup_max: int = D.LOOKUP_MAX
     adaptive: bool | None = None  # None: adaptive in auto, fixed k otherwise
     # bit: k capped so verify batches are bit-identical to one-token decoding (output == plain decoding);
     # lossless: no cap, every token is the target's choice in the pass that emitted it (float order may flip
     # near-ties); auto: bit when the cap leaves >= 2 draft tokens, else lossless
-    exactness: str = "auto"
+    exactness: str = D.EXACTNESS_LEVEL
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise UsageError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise SettingError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}", "method")
         if self.exactness not in EXACTNESS:
-            raise UsageError(f"unknown exactness {self.exactness!r}; choose one of {', '.join(EXACTNESS)}")
+            raise SettingError(f"unknown exactness {self.exactness!r}; choose one of {', '.join(EXACTNESS)}",
+                               "exactness")
         if not isinstance(self.k, int) or self.k < 0 or self.k > MAX_K:
-            raise UsageError(f"draft tokens (-k) must be between 0 and {MAX_K}, got {self.k}")
+            raise SettingError(f"draft tokens ({{draft_tokens}}) must be between 0 and {MAX_K}, got {self.k}",
+                               "draft_tokens")
         if self.max_tokens is None or self.max_tokens < 1:
-            raise UsageError(f"max tokens must be >= 1, got {self.max_tokens}")
+            raise SettingError(f"max tokens ({{max_tokens}}) must be >= 1, got {self.max_tokens}", "max_tokens")
         if not (0.0 <= self.p_min <= 1.0):
-            raise UsageError(f"p-min must be in [0, 1], got {self.p_min}")
+            raise SettingError(f"{{p_min}} must be in [0, 1], got {self.p_min}", "p_min")
         if self.lookup_min < 1 or self.lookup_max < self.lookup_min:
-            raise UsageError(f"need 1 <= lookup-min <= lookup-max, got {self.lookup_min} and {self.lookup_max}")
+            raise SettingError(f"need 1 <= {{lookup_min}} <= {{lookup_max}}, got {self.lookup_min} and "
+                               f"{self.lookup_max}", ("lookup_min", "lookup_max"))
 
 
 @dataclass
@@ -116,23 +119,6 @@ class TextAssembler:
         return out
 
 
-class FixedPolicy:
-    """Same drafter and k every step."""
-
-    def __init__(self, drafter: Drafter | None, k: int) -> None:
-        self.drafter = drafter
-        self.k = k if drafter is not None else 0
-
-    def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]:
-        return self.drafter, self.k
-
-    def observe(self, drafter, k, n_drafted, n_accepted, t_draft, t_verify) -> None:
-        pass
-
-    def reason(self) -> str:
-        return ""
-
-
 class Engine:
     """target (and draft) models plus the decoding loop.
 
@@ -142,12 +128,12 @@ class Engine:
     last_text: the answer text released so far by the current/last generate(), also after an interrupt.
     """
 
-    def __init__(self, target, draft=None, *, draft_name: str | None = None, chat_template: str | None = None) -> None:
+    def __init__(self, target, draft=None, *, chat_template: str | None = None) -> None:
         self.target = target
         self.draft = draft
-        self.draft_name = draft_name or (draft.name if draft is not None else None)
         self._lookup: PromptLookupDrafter | None = None
         self._draft_drafter: DraftModelDrafter | None = None
+        self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
         self._exact: dict[int, int] = {}
@@ -184,9 +170,9 @@ class Engine:
         none. drop_incompatible_draft: keep going without a draft that fails the
         pair check (the reason is in .dropped_draft) instead of raising. rpc: llama.cpp RPC workers
         ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
-        from . import rpc as rpc_mod
-        from .backend import Model, check_threads, resolve_gpu_layers
-
+        from localspec.rpc import protocol as rpc_mod
+        from localspec.llama.model import Model
+        from localspec.llama.sysinfo import check_threads, resolve_gpu_layers
         check_threads(threads)  # before loading anything
 
         workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects
@@ -223,7 +209,7 @@ class Engine:
     def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
         """Messages rendered with the chat template, ready for generate(). Message content is plain text:
         control tokens written in it ('<|im_end|>') are not parsed, only the template's own markup is."""
-        from .chat_template import plain_segments
+        from localspec.core.chat_template import plain_segments
 
         tmpl = self.chat_template()
         segments = tmpl.segments(messages) if tmpl is not None else plain_segments(messages)
@@ -231,7 +217,7 @@ class Engine:
 
     def chat_template(self):
         """The parsed ChatTemplate (None: the target has none and none was given). Raises ChatTemplateError."""
-        from .chat_template import ChatTemplate
+        from localspec.core.chat_template import ChatTemplate
 
         if self._template is None:
             src = self._template_source
@@ -253,6 +239,7 @@ class Engine:
             return 0
         self.target.sync(prompt)
         decoded = len(prompt) - self.target.reused
+        self._after_decode(prompt[self.target.reused:], self.target.reused)
         if self.draft is not None and len(prompt) < self.draft.n_ctx:
             self.draft.sync(prompt)
         return decoded
@@ -271,23 +258,39 @@ class Engine:
         if self.draft is None:
             return None
         if self._draft_drafter is None:
-            self._draft_drafter = DraftModelDrafter(self.draft, self.target.n_vocab, cfg.p_min)
+            cost = self.draft.size_bytes() / max(self.target.size_bytes(), 1)  # decoding is memory-bound
+            self._draft_drafter = DraftModelDrafter(self.draft, self.target.n_vocab, cfg.p_min, cost=cost)
         self._draft_drafter.p_min = cfg.p_min
         return self._draft_drafter
 
+    def drafters_for(self, cfg: GenConfig, method: str) -> dict[str, Drafter]:
+        """The drafters `method` may use with what is loaded (auto: all of them)."""
+        out: dict[str, Drafter] = {}
+        if method in ("auto", "lookup"):
+            out["lookup"] = self.lookup_drafter(cfg)
+        if method in ("auto", "draft") and self.draft is not None:
+            out["draft"] = self.draft_drafter(cfg)
+        return out
+
     def resolve_method(self, cfg: GenConfig) -> str:
         if cfg.method == "draft" and self.draft is None:
-            raise UsageError("--method draft needs a draft model (-d PATH or a pair with a draft)")
-        if cfg.method == "auto":
-            return "auto"
+            raise SettingError("{method} draft needs a draft model ({draft})", ("method", "draft"))
         return cfg.method
+
+    def _after_decode(self, tokens: Sequence[int], start: int) -> None:
+        """Every target decode ends here: each drafter in use sees what was decoded (draft heads read hidden
+        states that live only until the next decode)."""
+        if tokens:
+            positions = range(start, start + len(tokens))
+            for d in self._hooked:
+                d.after_target_decode(tokens, positions)
 
     def verify_costs(self, upto: int) -> dict[int, float] | None:
         """T(b)/T(1) of the target on this machine (measured once, cached); None where it cannot be measured."""
         if os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
             return None
         if len(self._costs) < upto:
-            from .exactness import verify_costs
+            from localspec.core.exactness import verify_costs
 
             self._costs = verify_costs(self.target, upto)
         return self._costs
@@ -297,7 +300,7 @@ class Engine:
         if k <= 0:
             return 0
         if k not in self._exact:
-            from .exactness import max_exact_batch
+            from localspec.core.exactness import max_exact_batch
 
             self._exact[k] = min(k, max_exact_batch(self.target, k + 1) - 1)
         return self._exact[k]
@@ -327,32 +330,22 @@ class Engine:
                                 "one-token decoding here, bigger ones are not")
         return cap, "bit", f"bit: verify batches up to {cap + 1} rows are bit-identical to one-token decoding here"
 
-    def make_policy(self, cfg: GenConfig):
+    def make_policy(self, cfg: GenConfig, exactness: tuple[int, str, str] | None = None) -> tuple[Policy, str, int]:
         """(policy, method, k): k is cfg.k, capped under bit exactness to what verifies bit-exactly (0 for plain
-        decoding)."""
+        decoding). `exactness`: exactness_for(cfg), when the caller has it already."""
         method = self.resolve_method(cfg)
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
-        k = self.exactness_for(cfg)[0] if method != "none" else 0
+        k = (exactness or self.exactness_for(cfg))[0] if method != "none" else 0
         if method == "none" or k == 0:
             return FixedPolicy(None, 0), "none", k
+        drafters = self.drafters_for(cfg, method)
         if adaptive:
-            from .controller import AdaptivePolicy
-
-            drafters = {}
-            if method in ("auto", "lookup"):
-                drafters["lookup"] = self.lookup_drafter(cfg)
-            if method in ("auto", "draft") and self.draft is not None:
-                drafters["draft"] = self.draft_drafter(cfg)
             if self.controller_state is None:
                 self.controller_state = {}
-            cost_prior = {"lookup": 0.0}
-            if self.draft is not None:
-                cost_prior["draft"] = self.draft.size_bytes() / max(self.target.size_bytes(), 1)
-            return AdaptivePolicy(drafters, k, self.controller_state, cost_prior, self.verify_costs(k + 1)), method, k
+            return AdaptivePolicy(drafters, k, self.controller_state, None, self.verify_costs(k + 1)), method, k
         if method == "auto":
-            method = "draft" if self.draft is not None else "lookup"
-        drafter = self.draft_drafter(cfg) if method == "draft" else self.lookup_drafter(cfg)
-        return FixedPolicy(drafter, k), method, k
+            method = "draft" if "draft" in drafters else "lookup"
+        return FixedPolicy(drafters[method], k), method, k
 
     # ------------------------------------------------------------- decoding
     def generate(
@@ -368,8 +361,10 @@ class Engine:
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
         text = self._assembler = TextAssembler(cfg.stop)
-        policy, method, k_cap = self.make_policy(cfg)
-        _, level, why = self.exactness_for(cfg)
+        exact = self.exactness_for(cfg)
+        _, level, why = exact
+        policy, method, k_cap = self.make_policy(cfg, exact)
+        self._hooked = list(policy.drafters.values())
         stats = self.last_stats = Stats(method=method, k_cap=k_cap, exactness=level, exactness_reason=why)
         stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
         if method != "none" and stats.k_cap < cfg.k:
@@ -381,14 +376,15 @@ class Engine:
         if len(prompt) >= target.n_ctx:
             raise ContextOverflowError(
                 f"prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
-                f"use -c {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt"
+                f"use {{ctx_size}} {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt", "ctx_size"
             )
         t0 = stats.started = time.perf_counter()
         stats.running = True
         logits = target.sync(prompt)
         stats.cached_prompt_tokens = target.reused
-        for d in _drafters_of(policy):
+        for d in self._hooked:
             d.begin(prompt)
+        self._after_decode(prompt[target.reused:], target.reused)
         stats.prompt_s = time.perf_counter() - t0
 
         out_tokens: list[int] = []
@@ -429,7 +425,9 @@ class Engine:
                 tv = time.perf_counter()
                 gamma = len(proposal.tokens)
                 base = len(target.tokens)
-                rows = target.decode([context[-1], *proposal.tokens], "all", copy=False)  # used before the next decode
+                batch = [context[-1], *proposal.tokens]
+                rows = target.decode(batch, "all", copy=False)  # used before the next decode
+                self._after_decode(batch, base)
                 if sp.greedy:
                     n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
                 else:
@@ -437,6 +435,8 @@ class Engine:
                     q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)
                     n_acc, nxt = speculative_sampling(proposal.tokens, q, p, rng)
                 target.truncate(base + 1 + n_acc)
+                if drafter is not None and gamma:
+                    drafter.accept(gamma, n_acc)
                 te = time.perf_counter()
                 stats.draft_s += tv - td
                 stats.verify_s += te - tv
@@ -448,8 +448,7 @@ class Engine:
                 else:
                     stats.method_used["none"] += 1
                 stats.k_used[k if drafter is not None else 0] += 1
-                caught_up = drafter is not None and getattr(drafter, "last_sync_s", 0.0) > 0.0
-                policy.observe(drafter, k, gamma, n_acc, None if caught_up else tv - td, te - tv)
+                policy.observe(drafter, k, gamma, n_acc, None if proposal.catch_up_s > 0.0 else tv - td, te - tv)
                 new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
                 for tok, drafted in new:
                     if target.is_eog(tok):
@@ -490,12 +489,6 @@ class Engine:
 def _env_allows_inexact() -> bool:
     """LOCALSPEC_ALLOW_INEXACT=1 (the older switch): `auto` exactness means lossless."""
     return os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0")
-
-
-def _drafters_of(policy) -> list[Drafter]:
-    if hasattr(policy, "drafters"):
-        return list(policy.drafters.values())
-    return [policy.drafter] if getattr(policy, "drafter", None) is not None else []
 
 
 def _fit_ctx(n: int) -> int:

@@ -12,17 +12,52 @@ that loses is not used, but is probed now and then so it can win back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Protocol, Sequence
+
+from localspec.drafters.base import Drafter
 
 DECAY = 0.9  # weight kept by old observations at each new one (~10-step memory)
 PRIOR_WEIGHT = 2.0
-PRIOR_ALPHA = {"lookup": 0.5, "draft": 0.6}
 PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimistic: gets tried, then learnt)
 PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
 CATCH_UP_MAX = 8  # probe a draft model only when its cache is at most this far behind the context
 EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
 RECHECK_EVERY = 4 * PROBE_EVERY  # a drafter that looks hopeless is still probed this often: its figures may be stale
+DEFAULT_DRAFT_COST = 0.5  # draft cost per token in target steps, for a drafter that does not say
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
+
+
+class Policy(Protocol):
+    """What the engine asks of a draft-length policy, fixed or adaptive: each step a drafter (None: a plain step)
+    and k, then the step's outcome; `drafters` are every drafter the policy may pick (the engine runs their
+    after-decode hooks on every step); `reason` says in words what it chose and why."""
+
+    drafters: dict[str, Drafter]
+
+    def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]: ...
+
+    def observe(self, drafter: Drafter | None, k: int, n_drafted: int, n_accepted: int, t_draft: float | None,
+                t_verify: float) -> None: ...
+
+    def reason(self) -> str: ...
+
+
+class FixedPolicy:
+    """Same drafter and k every step (or plain decoding with no drafter)."""
+
+    def __init__(self, drafter: Drafter | None, k: int) -> None:
+        self.drafter = drafter
+        self.k = k if drafter is not None else 0
+        self.drafters = {drafter.name: drafter} if drafter is not None else {}
+
+    def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]:
+        return self.drafter, self.k
+
+    def observe(self, drafter, k, n_drafted, n_accepted, t_draft, t_verify) -> None:
+        pass
+
+    def reason(self) -> str:
+        return ""
 
 
 @dataclass
@@ -121,19 +156,20 @@ def best_k(est: DrafterEstimate, curve: VerifyCurve, k_max: int, t_draft_token: 
 class AdaptivePolicy:
     """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
 
-    def __init__(self, drafters: dict, k_max: int, state: dict | None = None, cost_prior: dict | None = None,
-                 verify_prior: dict | None = None) -> None:
+    def __init__(self, drafters: dict[str, Drafter], k_max: int, state: dict | None = None,
+                 cost_prior: dict | None = None, verify_prior: dict | None = None) -> None:
         """cost_prior: drafter name -> draft cost per token relative to one target step, used until measured
-        (for a draft model, its file size over the target's: decoding is memory-bound). verify_prior: batch size
-        -> T(b)/T(1) as calibrated on this machine, used for batch sizes not yet timed."""
+        (default: each drafter's own `cost()`). verify_prior: batch size -> T(b)/T(1) as calibrated on this
+        machine, used for batch sizes not yet timed."""
         self.drafters = drafters
-        self.cost_prior = cost_prior or {}
+        self.cost_prior = {n: d.cost() for n, d in drafters.items() if d.cost() is not None}
+        self.cost_prior.update(cost_prior or {})
         self.k_max = max(1, k_max)
         st = state if state is not None else {}
         st.setdefault("curve", VerifyCurve())
         st.setdefault("est", {})
         for name in drafters:
-            st["est"].setdefault(name, DrafterEstimate(prior_alpha=PRIOR_ALPHA.get(name, 0.5)))
+            st["est"].setdefault(name, DrafterEstimate(prior_alpha=drafters[name].prior_alpha))
         self.state = st
         self.curve: VerifyCurve = st["curve"]
         if verify_prior:
@@ -146,10 +182,10 @@ class AdaptivePolicy:
         self._est_key: dict[str, str] = {}  # drafter name -> the estimate its latest proposal was judged by
 
     def _estimate(self, key: str, name: str) -> DrafterEstimate:
-        """Prompt lookup keeps one estimate per matched n-gram length ("lookup@4"): a 4-token match inside code
-        being copied is accepted far more often than a 2-token match in prose, and one pooled figure made auto
-        decline the copies after a few failed prose matches. A new length starts from the prior, not from the
-        pooled figure (which the failed short matches pulled down)."""
+        """A drafter's offer names the estimate that judges it: prompt lookup keeps one per matched n-gram length
+        ("lookup@4"), since a 4-token match inside code being copied is accepted far more often than a 2-token
+        match in prose, and one pooled figure made auto decline the copies after a few failed prose matches. A
+        new key starts from the prior, not from the pooled figure (which the failed short matches pulled down)."""
         est = self.est.get(key)
         if est is None:
             est = self.est[key] = DrafterEstimate(prior_alpha=self.est[name].prior_alpha)
@@ -163,7 +199,7 @@ class AdaptivePolicy:
         est = self.est[name]
         if est.t_token is not None:
             return est.t_token
-        return self.cost_prior.get(name, 0.0 if name == "lookup" else 0.5) / plain
+        return self.cost_prior.get(name, DEFAULT_DRAFT_COST) / plain
 
     def choose(self, context: Sequence[int]):
         self.step += 1
@@ -173,14 +209,10 @@ class AdaptivePolicy:
             return None, 0
         options = []
         for name, drafter in self.drafters.items():
-            key = name
-            k_cap = self.k_max
-            if name == "lookup":
-                proposal, n = drafter.match(context, self.k_max)
-                if not proposal:
-                    continue  # no match: lookup has nothing to offer this step
-                k_cap = len(proposal)
-                key = f"lookup@{n}"
+            offer = drafter.offer(context, self.k_max)
+            if offer is None or offer.k <= 0:
+                continue  # nothing to offer this step (prompt lookup without a match)
+            k_cap, key = offer.k, offer.key
             self._est_key[name] = key
             est = self._estimate(key, name)
             t_tok = self._t_token(name, plain)
@@ -198,8 +230,7 @@ class AdaptivePolicy:
         for rate, name, k, k_cap, t_tok in options:
             if self.since_used[name] < PROBE_EVERY:
                 continue
-            lag = getattr(self.drafters[name], "lag", None)
-            if lag is not None and lag(context) > CATCH_UP_MAX:
+            if self.drafters[name].lag(context) > CATCH_UP_MAX:
                 continue  # a probe would first decode the whole prompt on the draft model: not worth a guess
             c = self.curve.cost(k + 1)
             hopeless = c is None or (k + 1) / (k * t_tok + c) <= plain

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .sampling import sample
+from localspec.core.sampling import sample
 
 
 def greedy_verify(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:

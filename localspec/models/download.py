@@ -17,9 +17,9 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .cachefile import cache_dir, file_lock, read_json, update_json
-from .errors import DownloadError
-from .registry import FileSpec
+from localspec.store.cachefile import cache_dir, file_lock, read_json, update_json
+from localspec.errors import DownloadError
+from localspec.models.spec import FileSpec
 
 
 def hf_cache() -> str:
@@ -173,19 +173,24 @@ def _mirror_sha_for(spec: FileSpec, path: Path) -> str | None:
 
 
 # ------------------------------------------------------------------ progress
-def _progress():
-    from rich.console import Console
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+class NoProgress:
+    """What a download reports to when no front end installed a renderer (library use, tests)."""
 
-    return Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        console=Console(stderr=True),
-        transient=False,
-    )
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def add_task(self, description: str, total: int | None = None, completed: int = 0) -> int:
+        return 0
+    def update(self, task: int, completed: int) -> None: ...
+    def advance(self, task: int, n: int) -> None: ...
+
+
+# a callable returning a fresh progress object (start/add_task/update/advance/stop, as rich's Progress); the CLI
+# installs its renderer here (cli/progress.py), so this layer never imports rich
+progress_factory = NoProgress
+
+
+def _progress():
+    return progress_factory()
 
 
 # ------------------------------------------------------------------ sources
@@ -396,9 +401,9 @@ def remote_incompatibility(target: FileSpec, draft: FileSpec) -> str | None:
     """Why `draft` cannot speculate for `target`, read from the two GGUF headers before anything is downloaded:
     a local copy when there is one, else the hub with HTTP range requests. None when the pair is compatible, or
     when it cannot be checked now (offline, hub unreachable, ranged read refused): the load-time check remains."""
-    from .compat import first_difference
-    from .errors import LocalspecError
-    from .gguf_meta import read_metadata, vocab_info
+    from localspec.models.pair import first_difference
+    from localspec.errors import LocalspecError
+    from localspec.models.gguf_header import read_metadata, vocab_info
 
     infos = []
     reach = None

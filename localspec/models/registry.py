@@ -9,50 +9,10 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from . import config
-from .errors import UsageError
-
-
-@dataclass
-class FileSpec:
-    repo: str | None = None
-    file: str | None = None
-    revision: str | None = None
-    sha256: str | None = None
-    size: int | None = None
-    mirrors: list[dict] = field(default_factory=list)
-    path: str | None = None  # a local file (user pairs)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "FileSpec":
-        return cls(**{k: d.get(k) for k in ("repo", "file", "revision", "sha256", "size", "path")}, mirrors=list(d.get("mirrors", [])))
-
-    @classmethod
-    def parse(cls, src: str) -> "FileSpec":
-        """`hf://owner/repo/file.gguf[@revision]` or a local path."""
-        if src.startswith("hf://"):
-            rest = src[5:]
-            rev = None
-            if "@" in rest:
-                rest, rev = rest.rsplit("@", 1)
-            parts = rest.split("/")
-            if len(parts) < 3 or not parts[-1]:
-                raise UsageError(f"expected hf://OWNER/REPO/FILE.gguf, got {src}")
-            return cls(repo="/".join(parts[:2]), file="/".join(parts[2:]), revision=rev)
-        p = Path(src).expanduser()
-        if not p.is_file():
-            raise UsageError(f"no such file: {src}")
-        return cls(path=str(p.resolve()))
-
-    def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("repo", "file", "revision", "sha256", "size", "path") if getattr(self, k) is not None}
-        if self.mirrors:
-            d["mirrors"] = self.mirrors
-        return d
-
-    @property
-    def label(self) -> str:
-        return self.path or f"{self.repo}/{self.file}"
+from localspec.store import tomlfile as config
+from localspec.core import defaults as D
+from localspec.errors import UsageError
+from localspec.models.spec import FileSpec
 
 
 @dataclass
@@ -61,8 +21,8 @@ class Pair:
     description: str
     target: FileSpec
     draft: FileSpec | None
-    k: int = 4
-    ctx: int = 4096
+    k: int = D.DRAFT_TOKENS
+    ctx: int = D.CTX_SIZE
     source: str = "shipped"
 
 
@@ -84,7 +44,7 @@ def _pairs_from(data: dict, source: str) -> dict[str, Pair]:
                 target=FileSpec.from_dict(d["target"]),
                 draft=FileSpec.from_dict(d["draft"]) if d.get("draft") else None,
                 k=int(d.get("k", 4)),
-                ctx=int(d.get("ctx", 4096)),
+                ctx=int(d.get("ctx", D.CTX_SIZE)),
                 source=source,
             )
         except (KeyError, TypeError) as exc:
@@ -122,7 +82,7 @@ def check_name(name: str) -> None:
         )
 
 
-def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = 4, ctx: int = 4096, description: str = "") -> Path:
+def add(name: str, target: FileSpec, draft: FileSpec | None, k: int = D.DRAFT_TOKENS, ctx: int = D.CTX_SIZE, description: str = "") -> Path:
     check_name(name)
     shipped, _ = _pairs_from(config.load_toml(shipped_file()), "shipped"), None
     if name in shipped:
@@ -157,7 +117,7 @@ def remove(name: str) -> Path:
 
 def looks_like_path(s: str) -> bool:
     """An existing file, or a name written as a path (not as a hub name such as OWNER/REPO:QUANT)."""
-    from . import hfname
+    from localspec.models import hubname as hfname
 
     if Path(s).expanduser().is_file():
         return True
@@ -170,7 +130,7 @@ def resolve_name(s: str):
     """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path;
     a pair name wins over a hub name; `A/B` that is neither is a hub repo; anything else written like a path is a
     (missing) path, and the rest an unknown pair name (UsageError with suggestions)."""
-    from . import hfname
+    from localspec.models import hubname as hfname
 
     p = Path(s).expanduser()
     if p.is_file():

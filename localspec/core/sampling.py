@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import UsageError
+from localspec.errors import SettingError
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         t = self.temperature
         if t is None or not math.isfinite(t) or t < 0:
-            raise UsageError(f"temperature must be a finite number >= 0, got {t}")
+            raise SettingError(f"temperature must be a finite number >= 0, got {t}", "temperature")
         if self.top_k < 0:
-            raise UsageError(f"top-k must be >= 0, got {self.top_k}")
+            raise SettingError(f"top-k ({{top_k}}) must be >= 0, got {self.top_k}", "top_k")
         if not (0.0 < self.top_p <= 1.0) or not math.isfinite(self.top_p):
-            raise UsageError(f"top-p must be in (0, 1], got {self.top_p}")
+            raise SettingError(f"top-p ({{top_p}}) must be in (0, 1], got {self.top_p}", "top_p")
         if not (0.0 <= self.min_p < 1.0) or not math.isfinite(self.min_p):
-            raise UsageError(f"min-p must be in [0, 1), got {self.min_p}")
+            raise SettingError(f"min-p ({{min_p}}) must be in [0, 1), got {self.min_p}", "min_p")
 
     @property
     def greedy(self) -> bool:

@@ -32,9 +32,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from . import session as S
-from .engine import Finished, GenConfig, Piece
-from .errors import ContextOverflowError, LocalspecError, UsageError
+from localspec import session as S
+from localspec.core.engine import Finished, GenConfig, Piece
+from localspec.errors import ContextOverflowError, LocalspecError, UsageError
 
 DEFAULT_QUEUE = 8  # requests that may wait while one generates
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes

@@ -6,8 +6,8 @@ from __future__ import annotations
 import struct
 from typing import BinaryIO
 
-from .compat import VocabInfo
-from .errors import ModelLoadError
+from localspec.llama.vocab import VocabInfo
+from localspec.errors import ModelLoadError
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9

@@ -21,7 +21,7 @@ import socket
 import struct
 from typing import Iterable, Sequence
 
-from .errors import LocalspecError, UsageError
+from localspec.errors import LocalspecError, UsageError
 
 # ggml/include/ggml-rpc.h of the llama.cpp that llama-cpp-python 0.3.36 vendors
 RPC_PROTO_MAJOR = 7

@@ -15,9 +15,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .engine import Engine, GenConfig
-from .errors import AlgorithmBugError, UsageError
-from .sampling import SamplingParams
+from localspec.core.engine import Engine, GenConfig
+from localspec.errors import AlgorithmBugError, UsageError
+from localspec.core.sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
 
@@ -153,7 +153,7 @@ def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
 
 def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
     """Measured verify-cost curve T(b)/T(1) of the target and the draft's per-token cost c."""
-    from .exactness import time_batches
+    from localspec.core.exactness import time_batches
 
     curve = time_batches(engine.target, max_batch, reps)
     c = 0.0
@@ -199,7 +199,7 @@ def classify(margin: float, deviation: float) -> str:
 def batch_deviation(engine: Engine, k_requested: int, k_effective: int) -> float:
     """The largest measured |Δlogit| for the verify batches a run can use (2..k_effective + 1 rows), from the
     probe the engine ran (or runs now) for k_requested."""
-    from .exactness import deviation
+    from localspec.core.exactness import deviation
 
     if k_effective < 1:
         return 0.0
@@ -358,7 +358,7 @@ def print_report(rows: list[dict], console=None) -> None:
     """The report table: rich on a terminal, plain aligned columns (nothing cut) into a pipe or a file."""
     from rich.console import Console
 
-    from .output import print_table
+    from localspec.cli.table import print_table
 
     console = console or Console(stderr=True)
     cols = ["config", "k eff", "exactness", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept",

@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import DownloadError, UsageError
+from localspec.errors import DownloadError, UsageError
+from localspec.models.spec import FileSpec
 
 DEFAULT_QUANT = "Q4_K_M"
 _PREFIXES = ("hf://", "https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "http://hf.co/",
@@ -141,7 +142,7 @@ def pick(files: list[RepoFile], repo: str, quant: str | None = None) -> RepoFile
 def cached_files(repo: str, revision: str | None = None) -> list[RepoFile]:
     """Complete files of `repo` in the local HF cache: the snapshot `revision` (default main) names first, then the
     other snapshots (each file marked with its snapshot's commit so that it is found again offline)."""
-    from .download import hf_cache
+    from localspec.models.download import hf_cache
 
     root = Path(hf_cache()) / f"models--{repo.replace('/', '--')}"
     snaps = root / "snapshots"
@@ -163,7 +164,7 @@ def cached_files(repo: str, revision: str | None = None) -> list[RepoFile]:
 
 def list_files(repo: str, revision: str | None = None) -> list[RepoFile]:
     """The repo's files: from the hub, or from the cache when offline (HF_HUB_OFFLINE=1) or unreachable."""
-    from . import download
+    from localspec.models import download
 
     if download.offline():
         cached = cached_files(repo, revision)
@@ -196,7 +197,6 @@ def list_files(repo: str, revision: str | None = None) -> list[RepoFile]:
 
 def resolve(h: HubName):
     """The FileSpec a hub name stands for (a file listing for OWNER/REPO[:QUANT]; none for an hf:// file)."""
-    from .registry import FileSpec
 
     if h.file:
         return FileSpec(repo=h.repo, file=h.file, revision=h.revision)
@@ -207,7 +207,6 @@ def resolve(h: HubName):
 def file_spec(s: str):
     """One file for `models add`: a local path, or a hub name (OWNER/REPO[:QUANT] is picked from the listing now,
     so the pair stores a definite file)."""
-    from .registry import FileSpec
 
     p = Path(s).expanduser()
     if p.is_file():
@@ -218,8 +217,7 @@ def file_spec(s: str):
 
 def cached_spec(h: HubName):
     """The downloaded file a hub name stands for, from the cache alone (no network), for `models rm`."""
-    from . import download
-    from .registry import FileSpec
+    from localspec.models import download
 
     if h.file:
         spec = FileSpec(repo=h.repo, file=h.file, revision=h.revision)
@@ -241,8 +239,7 @@ def cached_spec(h: HubName):
 def cached_models() -> list[tuple[str, object]]:
     """The GGUF models in the local HF cache, as (the name -m takes, FileSpec): `models list` shows those that
     no pair names, `models rm NAME` deletes them."""
-    from .download import hf_cache
-    from .registry import FileSpec
+    from localspec.models.download import hf_cache
 
     out = []
     for d in sorted(Path(hf_cache()).glob("models--*--*")):

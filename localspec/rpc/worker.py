@@ -15,8 +15,8 @@ import threading
 import time
 from pathlib import Path
 
-from . import rpc
-from .errors import UsageError
+from localspec.rpc import protocol as rpc
+from localspec.errors import UsageError
 
 READY_TIMEOUT_S = 60.0
 
@@ -39,13 +39,13 @@ def _check_bindable(host: str, port: int) -> None:
 def serve(host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | None = None,
           cache_dir: str | os.PathLike | None = None, *, say=None) -> None:
     """Run the worker until Ctrl-C (KeyboardInterrupt propagates) or until llama.cpp's server gives up."""
-    from . import backend
-
+    from localspec.llama import ggml
+    from localspec.llama import sysinfo
     say = say or (lambda msg: (sys.stderr.write(msg + "\n"), sys.stderr.flush()))
     host = rpc.listen_address(host, port)
     if threads is not None and threads < 1:
         raise UsageError(f"threads must be >= 1, got {threads}")
-    n_threads = threads or backend.default_threads()
+    n_threads = threads or sysinfo.default_threads()
     cache = None
     if cache_dir is not None:
         p = Path(cache_dir).expanduser()
@@ -58,7 +58,7 @@ def serve(host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | 
     if not rpc.is_loopback(host):
         say(rpc.SECURITY_WARNING.format(endpoint=endpoint))
     _check_bindable(host, port)
-    if not backend.rpc_available():
+    if not ggml.rpc_available():
         raise rpc.RPCError("this llama-cpp-python build has no RPC backend; reinstall it with -DGGML_RPC=ON "
                            "(bash .ci/install-llama-cpp does)")
     _relay_stdout_to_stderr(say)
@@ -66,7 +66,7 @@ def serve(host: str = "127.0.0.1", port: int = rpc.DEFAULT_PORT, threads: int | 
 
     def _run():
         try:
-            backend.rpc_start_server(endpoint, cache, n_threads)
+            ggml.rpc_start_server(endpoint, cache, n_threads)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             failed.append(exc)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import platformdirs
 
-from .errors import UsageError
+from localspec.errors import UsageError
 
 THROTTLE_S = 0.5
 THROTTLE_TOKENS = 32

@@ -13,8 +13,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from . import __version__, config
-from .errors import LocalspecError, UsageError
+from localspec import __version__
+from localspec import settings as config
+from localspec.errors import LocalspecError, UsageError
 
 app = typer.Typer(
     name="localspec",
@@ -82,11 +83,18 @@ def _err(msg: str) -> None:
     sys.stderr.flush()
 
 
+# how the CLI names a setting in an error message (the library names the setting itself)
+SETTING_WORDS = {"draft_tokens": "-k", "max_tokens": "-n", "ctx_size": "-c", "draft": "-d PATH or a pair with a draft"}
+
+
+def setting_words(key: str) -> str:
+    return SETTING_WORDS.get(key) or "--" + key.replace("_", "-")
+
+
 def _version_cb(value: bool):
     if value:
         try:
-            from .backend import llama_cpp_version
-
+            from localspec.llama.sysinfo import llama_cpp_version
             ll = llama_cpp_version()
         except Exception:
             ll = "not importable"
@@ -140,7 +148,7 @@ TemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", help="Ji
 def use_template(sess, path: Optional[Path]) -> None:
     """--chat-template: read (and check) the file before any model loads."""
     if path is not None:
-        from .chat_template import read_template_file
+        from localspec.core.chat_template import read_template_file
 
         sess.chat_template = read_template_file(path)
 
@@ -263,7 +271,7 @@ def summary_line(stats, finish: str) -> str:
 
 def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") -> dict:
     if stats is None:  # interrupted before the first step
-        from .stats import Stats
+        from localspec.core.stats import Stats
 
         stats = Stats()
     return {
@@ -356,7 +364,7 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
 ):
     """Answer one prompt (stdin is joined to it), streaming to stdout."""
-    from .session import Session, generation_slot
+    from localspec.session import Session, generation_slot
 
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, exactness=exactness, p_min=p_min, lookup_min=lookup_min,
@@ -370,7 +378,7 @@ def run(
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
     status = Status(quiet)
-    from .engine import Finished
+    from localspec.core.engine import Finished
 
     sess.check()  # bad sampling/k/thread values fail before loading gigabytes
     use_template(sess, chat_template)
@@ -455,7 +463,7 @@ def config_cmd(
     built-in default."""
     if ctx.invoked_subcommand is not None:
         return
-    from .session import resolve_settings, tuned_results
+    from localspec.session import resolve_settings, tuned_results
 
     eff = resolve_settings(flags(model=model), strict=False)
     tuned = tuned_results()
@@ -464,7 +472,7 @@ def config_cmd(
                                "settings": {k: {"value": v.value, "source": v.source} for k, v in eff.items()},
                                "tuned": tuned}))
         return
-    from .output import print_table
+    from localspec.cli.table import print_table
 
     print_table(["setting", "value", "from"], [[k, "" if v.value is None else str(v.value), v.source] for k, v in eff.items()],
                 title=f"config file: {config.config_file()}")
@@ -486,7 +494,7 @@ def _setting_key(key: str) -> str:
 def config_set(key: Annotated[str, typer.Argument(help="Setting name, as `localspec config` lists them.")],
                value: Annotated[str, typer.Argument(help="The value.")]):
     """Store a setting in the config file (validated first; the file's other keys and comments-free layout kept)."""
-    from .session import resolve_settings, validate
+    from localspec.session import resolve_settings, validate
 
     k = _setting_key(key)
     v = config.coerce(k, value, "config set")
@@ -515,7 +523,9 @@ def config_unset(key: Annotated[str, typer.Argument(help="Setting name.")]):
 def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
                 local: Annotated[bool, typer.Option("--local", help="Only what is downloaded (any of its files).")] = False):
     """Pairs, and hub models fetched by name, whether downloaded, sizes and local paths."""
-    from . import download, hfname, registry
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
 
     pairs, default = registry.load()
 
@@ -541,7 +551,7 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
-    from .output import print_table
+    from localspec.cli.table import print_table
 
     def fmt(f):
         if f is None:
@@ -562,7 +572,9 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
 def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub model (OWNER/REPO:QUANT, hf://…).")],
                 check: Annotated[bool, typer.Option("--check/--no-check", help="Check pair compatibility from the remote headers first.")] = True):
     """Download both files of a pair, or one hub model (progress, resume, sha256 check)."""
-    from . import download, hfname, registry
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
 
     kind, obj = registry.resolve_name(name)
     if kind == "hub":
@@ -582,7 +594,7 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub mo
 
 def _remote_compat(pair) -> None:
     """Pair check on the GGUF headers, read remotely (HTTP range requests) before fetching gigabytes."""
-    from . import download
+    from localspec.models import download
 
     why = download.remote_incompatibility(pair.target, pair.draft)
     if why:
@@ -596,7 +608,9 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
               files_only: Annotated[bool, typer.Option("--files-only", help="Delete the downloaded files only; keep your pair.")] = False):
     """Remove a pair you added: its entry in pairs.toml and its downloaded files (asks first). For a shipped pair or
     a hub model, delete the downloaded files. Your own local files, and files another pair uses, are never deleted."""
-    from . import download, hfname, registry
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
 
     if keep_files and files_only:
         raise UsageError("--keep-files and --files-only exclude each other")
@@ -649,9 +663,10 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
 def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path.")],
                 as_json: Annotated[bool, typer.Option("--json")] = False):
     """GGUF facts (architecture, size, quantization, context, vocab) and the pair's compatibility verdict."""
-    from . import download, registry
-    from .compat import first_difference
-    from .gguf_meta import read_file_metadata, summary, vocab_info
+    from localspec.models import download
+    from localspec.models import registry
+    from localspec.models.pair import first_difference
+    from localspec.models.gguf_header import read_file_metadata, summary, vocab_info
 
     files: dict[str, Path] = {}
     if registry.looks_like_path(what):
@@ -697,7 +712,9 @@ def models_add(
     description: Annotated[str, typer.Option("--description")] = "",
 ):
     """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
-    from . import download, hfname, registry
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
 
     registry.check_name(name)
     t = hfname.file_spec(target)
@@ -713,9 +730,11 @@ def models_add(
 @app.command()
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
-    from . import download, registry
-    from .backend import compiled_backends, default_threads, devices, llama_cpp_version, rpc_available, supports_gpu_offload, system_info
-    from .exactness import cached_costs, cached_probes
+    from localspec.models import download
+    from localspec.models import registry
+    from localspec.llama.ggml import compiled_backends, devices, rpc_available
+    from localspec.llama.sysinfo import default_threads, llama_cpp_version, supports_gpu_offload, system_info
+    from localspec.core.exactness import cached_costs, cached_probes
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
     backends: list[str] = []
@@ -814,9 +833,9 @@ def chat(
     chat_template: TemplateOpt = None,
 ):
     """Chat in the terminal, with live speculation statistics. Chats are stored as they happen (`localspec history`)."""
-    from .history import History
-    from .session import Session
-    from .tui.app import create_app
+    from localspec.store.history import History
+    from localspec.session import Session
+    from localspec.tui.app import create_app
 
     sess = Session(flags(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
                          system=system, max_tokens=max_tokens, ctx_size=ctx_size, gpu_layers=gpu_layers,
@@ -899,7 +918,7 @@ def tune(
 
 def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers, rpc=None, tensor_split=None,
                    exactness=None):
-    from .session import Session
+    from localspec.session import Session
 
     # bench and tune compare methods themselves: the draft is loaded whatever the configured method is
     sess = Session(flags(model=model, draft=draft, ctx_size=ctx_size, threads=threads, gpu_layers=gpu_layers,
@@ -913,8 +932,8 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
     from rich.console import Console
     from rich.progress import Progress
 
-    from . import bench as B
-    from .session import generation_slot
+    from localspec.bench import runner as B
+    from localspec.session import generation_slot
 
     for p in (json_out, csv_out, plot):
         B.check_out(p)
@@ -968,7 +987,7 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
             B.plot_png(plot, rows)
         bugs = sum(r.mismatch_kind == "bug" for r in results)
         if bugs:
-            from .errors import AlgorithmBugError
+            from localspec.errors import AlgorithmBugError
 
             raise AlgorithmBugError(f"{bugs} divergence{'s exceed' if bugs != 1 else ' exceeds'} the measured numeric "
                                     "deviation (algorithm bug)")
@@ -981,8 +1000,8 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     from rich.console import Console
     from rich.progress import Progress
 
-    from . import bench as B
-    from .session import generation_slot, tuned_key
+    from localspec.bench import runner as B
+    from localspec.session import generation_slot, tuned_key
 
     ps = B.load_prompts(prompts, None, limit)
     console = Console(stderr=True)
@@ -1026,7 +1045,7 @@ def worker(
     cache_dir: Annotated[Optional[Path], typer.Option("--cache-dir", help="Keep received tensors here (large ones are then sent once).", show_default=False)] = None,
 ):
     """Serve this machine's CPU/GPUs to other machines' `--rpc` (llama.cpp's RPC server). Ctrl-C stops it."""
-    from .worker import serve
+    from localspec.rpc.worker import serve
 
     global INTERRUPT_REPORTED
     try:
@@ -1047,7 +1066,7 @@ ChatIdArg = Annotated[int, typer.Argument(help="Chat number (`localspec history 
 
 def _history(create: bool = False):
     """The history database; without `create`, an absent one reads as empty (nothing is written)."""
-    from .history import History, db_path
+    from localspec.store.history import History, db_path
 
     if not create and not db_path().exists():
         return History(":memory:")
@@ -1078,7 +1097,7 @@ def history_list(
         return
     from rich.markup import escape
 
-    from .output import print_table
+    from localspec.cli.table import print_table
 
     rows = [[str(c.id), time.strftime("%Y-%m-%d %H:%M", time.localtime(c.updated)), str(c.n_messages),
              escape(c.title), escape(c.model or "-")] for c in chats]
@@ -1088,7 +1107,7 @@ def history_list(
 @history_app.command("show")
 def history_show(chat_id: ChatIdArg):
     """Print a stored chat as Markdown."""
-    from .chatexport import to_markdown
+    from localspec.store.exports import to_markdown
 
     c = _history().get(chat_id)
     typer.echo(to_markdown(c.title, c.messages, c.model), nl=False)
@@ -1102,8 +1121,8 @@ def history_export(
     force: Annotated[bool, typer.Option("--force", help="Overwrite FILE without asking.")] = False,
 ):
     """Export a stored chat as Markdown or JSON."""
-    from .cachefile import atomic_write
-    from .chatexport import to_json, to_markdown
+    from localspec.store.cachefile import atomic_write
+    from localspec.store.exports import to_json, to_markdown
 
     if fmt not in ("md", "json"):
         raise UsageError(f"--format takes md or json, got {fmt!r}")
@@ -1166,7 +1185,7 @@ def _install_signals() -> None:
 
 
 def _interrupted() -> None:
-    from . import download
+    from localspec.models import download
 
     if not INTERRUPT_REPORTED:
         note = " (the partial download is kept and resumes next time)" if download.STARTED_DOWNLOAD else ""
@@ -1203,8 +1222,8 @@ def serve(
     chat_template: TemplateOpt = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
-    from .server import serve as run_server
-    from .session import Session
+    from localspec.server.app import serve as run_server
+    from localspec.session import Session
 
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
@@ -1224,6 +1243,9 @@ def main(argv: list[str] | None = None) -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
     _install_signals()
+    from localspec.cli import progress
+
+    progress.install()  # download progress bars on stderr
     argv = list(sys.argv[1:] if argv is None else argv)
     first = next((a for a in argv if a not in ("--debug",)), None)
     if first is None:
@@ -1237,7 +1259,7 @@ def main(argv: list[str] | None = None) -> None:
     except LocalspecError as exc:
         if DEBUG:
             raise
-        _err(str(exc))
+        _err(exc.worded(setting_words))
         sys.exit(exc.exit_code)
     except BrokenPipeError:
         _quiet_pipe()

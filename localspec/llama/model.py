@@ -1,0 +1,425 @@
+"""A loaded GGUF model: one context (sequence 0), a token-tracked KV cache, batched decode.
+
+Low-level API only: a batch decode returns logits for the rows asked for (never logits_all),
+KV entries are removed with llama_memory_seq_rm, flash attention is forced on (with it off a row's
+logits depend on the batch size, which breaks exactness between plain and speculative decoding).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from localspec.errors import DecodeError, ModelLoadError, UsageError
+from localspec.llama import aborts, ggml, lib
+from localspec.llama.lib import ll as _ll
+from localspec.llama.sysinfo import check_threads, default_threads
+from localspec.llama.vocab import VocabInfo
+from localspec.rpc import protocol as rpc
+from localspec.seq import common_prefix
+
+_C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale, as llama.cpp strips around tokens
+
+GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
+
+VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
+
+
+class Model:
+    """A loaded GGUF model with one context (sequence 0) and a token-tracked KV cache."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        *,
+        n_ctx: int = 4096,
+        n_gpu_layers: int = 0,
+        n_threads: int | None = None,
+        n_batch: int = 512,
+        rpc_servers: Sequence[str] | None = None,
+        tensor_split: Sequence[float] | None = None,
+    ) -> None:
+        """rpc_servers: llama.cpp RPC workers ("HOST:PORT") that take this model's layers (all of them unless
+        n_gpu_layers says how many; the rest stay on the local CPU), in tensor_split proportions (one per
+        device: the workers' devices in order, then local GPUs; default: by free memory)."""
+        check_threads(n_threads)  # before llama.cpp sees it: 100000 threads crash it, 1000 hang it
+        ll = lib.require()
+        ggml.ready()
+        self._model = self._ctx = self._batch = None
+        self.path = Path(path)
+        self.rpc_servers = list(rpc_servers or [])
+        self._ctx = None
+        self._batch = None
+        self._model = None
+        if not self.path.is_file():
+            raise ModelLoadError(f"model file not found: {self.path}")
+        with open(self.path, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ModelLoadError(f"not a GGUF file (bad magic): {self.path}")
+        mparams = ll.llama_model_default_params()
+        keep = []  # ctypes arrays that must live until the load returns
+        local_gpus: list[int] = []
+        if self.rpc_servers:
+            rpc.preflight(self.rpc_servers)  # llama.cpp aborts the process on a worker it cannot use
+            local_gpus = ggml.local_devices({ggml.DEV_GPU})
+            devices = ggml.rpc_devices(self.rpc_servers) + local_gpus  # llama.cpp's order: RPC first
+            arr = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)  # NULL-terminated
+            keep.append(arr)
+            mparams.devices = ctypes.cast(arr, ctypes.c_void_p).value
+            if n_gpu_layers == 0:
+                n_gpu_layers = -1  # all layers on the devices: that is what the workers are for
+            n_devices = len(devices)
+        else:
+            n_devices = int(ll.llama_max_devices())
+        if tensor_split:
+            if len(tensor_split) > n_devices:
+                raise UsageError(f"--tensor-split has {len(tensor_split)} values but the target has {n_devices} "
+                                 f"device{'s' if n_devices != 1 else ''} to split over")
+            ts = (ctypes.c_float * int(ll.llama_max_devices()))(*[float(x) for x in tensor_split])
+            keep.append(ts)
+            mparams.tensor_split = ctypes.cast(ts, ctypes.POINTER(ctypes.c_float))
+        self.tensor_split = list(tensor_split) if tensor_split else None
+        mparams.n_gpu_layers = int(n_gpu_layers)
+        self.n_gpu_layers = int(n_gpu_layers)
+        if os.environ.get("LOCALSPEC_NO_REPACK"):
+            # work-around for CPUs where the native build's AMX path crashes (see README)
+            mparams.use_extra_bufts = False
+        if self.rpc_servers:
+            aborts.rpc_in_use.extend(self.rpc_servers)
+        deferred = lib.DeferSignals()  # Ctrl-C aborts the load (through the progress callback) and is re-raised
+        progress = ll.llama_progress_callback(deferred.progress)
+        mparams.progress_callback = progress
+        try:
+            with deferred:
+                self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        except BaseException:  # KeyboardInterrupt, re-raised when the load returned
+            self.close()
+            self._release_rpc()
+            raise
+        del keep
+        if not self._model:
+            self._release_rpc()
+            if deferred.received is not None:  # the previous handler chose not to raise
+                raise ModelLoadError(f"loading {self.path.name} was interrupted")
+            raise ModelLoadError(f"llama.cpp could not load {self.path} (corrupt, truncated or unsupported GGUF)")
+        try:
+            self._vocab = ll.llama_model_get_vocab(self._model)
+            self.n_vocab = int(ll.llama_vocab_n_tokens(self._vocab))
+            n_train = int(ll.llama_model_n_ctx_train(self._model))
+            self.n_ctx_train = n_train
+            n_ctx = int(n_ctx) if n_ctx and n_ctx > 0 else n_train
+            self.n_threads = int(n_threads or default_threads())
+            self.n_batch = int(n_batch)
+            cparams = ll.llama_context_default_params()
+            cparams.n_ctx = n_ctx
+            cparams.n_batch = self.n_batch
+            cparams.n_ubatch = self.n_batch
+            cparams.n_seq_max = 1
+            cparams.n_threads = self.n_threads
+            cparams.n_threads_batch = self.n_threads
+            cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
+            # BF16 KV on the CPU: llama.cpp's flash attention splits a single query's KV across threads once
+            # the cache passes 512 cells (f16/f32 KV only), so a one-token decode and a batched verify would sum
+            # in different orders (logits moved by ~0.5 on Qwen 1.5B). With BF16 KV both take the same path.
+            # RPC workers without local GPUs: BF16 too (a worker's CPU backend computes as the local one does;
+            # GPU workers whose flash attention lacks BF16 need LOCALSPEC_KV_TYPE=f16).
+            on_cpu = self.n_gpu_layers == 0 or (self.rpc_servers and not local_gpus)
+            kv = os.environ.get("LOCALSPEC_KV_TYPE") or ("bf16" if on_cpu else "f16")
+            if kv not in GGML_TYPES:
+                raise ModelLoadError(f"LOCALSPEC_KV_TYPE must be one of {', '.join(GGML_TYPES)}, got {kv!r}")
+            self.kv_type = kv
+            cparams.type_k = cparams.type_v = GGML_TYPES[kv]
+            cparams.no_perf = True
+            with lib.DeferSignals():
+                self._ctx = ll.llama_init_from_model(self._model, cparams)
+            if not self._ctx:
+                raise ModelLoadError(f"could not create a context of {n_ctx} tokens for {self.path.name}")
+            self.n_ctx = int(ll.llama_n_ctx(self._ctx))
+            self.n_batch = int(ll.llama_n_batch(self._ctx))  # llama.cpp caps it at n_ctx
+            self._mem = ll.llama_get_memory(self._ctx)
+            self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        except BaseException:  # KeyboardInterrupt too: free what was allocated
+            self.close()
+            raise
+        self.reused = 0  # prefix tokens the last sync() kept from the cache
+        self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
+        self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
+        self._piece_cache: dict[int, bytes] = {}
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def size_bytes(self) -> int:
+        return int(_ll.llama_model_size(self._model))
+
+    def memory_bytes(self) -> int:
+        """Weights plus this context's state (KV cache and buffers)."""
+        try:
+            state = int(_ll.llama_state_get_size(self._ctx))
+        except Exception:  # pragma: no cover
+            state = 0
+        return self.size_bytes() + state
+
+    def chat_template(self) -> str | None:
+        ptr = _ll.llama_model_chat_template(self._model, None)
+        return ptr.decode("utf-8", "replace") if ptr else None
+
+    def is_eog(self, token: int) -> bool:
+        return bool(_ll.llama_vocab_is_eog(self._vocab, token))
+
+    def vocab_info(self) -> VocabInfo:
+        ll = _ll
+        v = self._vocab
+        return VocabInfo(
+            vocab_type=VOCAB_TYPES.get(int(ll.llama_vocab_type(v)), "unknown"),
+            n_vocab=self.n_vocab,
+            bos=int(ll.llama_vocab_bos(v)),
+            eos=int(ll.llama_vocab_eos(v)),
+            add_bos=bool(ll.llama_vocab_get_add_bos(v)),
+            add_eos=bool(ll.llama_vocab_get_add_eos(v)),
+            token_text=_LazyTokenText(self),
+        )
+
+    def token_text(self, token: int) -> bytes:
+        ptr = _ll.llama_vocab_get_text(self._vocab, token)
+        return ptr or b""
+
+    # ------------------------------------------------------------- text <-> ids
+    def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        n_max = len(data) + 16
+        buf = (_ll.llama_token * n_max)()
+        n = _ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        if n < 0:
+            n_max = -n
+            buf = (_ll.llama_token * n_max)()
+            n = _ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
+        return list(buf[:n])
+
+    def piece(self, token: int) -> bytes:
+        """Bytes of one token as it appears in generated text (special tokens not rendered)."""
+        b = self._piece_cache.get(token)
+        if b is None:
+            buf = ctypes.create_string_buffer(64)
+            n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            b = buf.raw[:n]
+            self._piece_cache[token] = b
+        return b
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
+
+    def special_text(self, which: str) -> str:
+        """The text of the BOS or EOS token ("" if the model has none), as chat templates print it."""
+        tok = {"bos": _ll.llama_vocab_bos, "eos": _ll.llama_vocab_eos}[which](self._vocab)
+        return self.token_text(tok).decode("utf-8", "replace") if tok >= 0 else ""
+
+    def tokenize_segments(self, segments: Sequence[tuple[str, bool]]) -> list[int]:
+        """Tokenize a rendered chat prompt given as (text, is_content) pieces, with BOS as the vocab wants it.
+
+        Control tokens are recognised only in the template's markup (is_content False); message content is always
+        plain text, so '<|im_end|>' written by a user stays text. Otherwise the result equals llama.cpp's own
+        tokenization of the joined text with parse_special: the markup is split at its control tokens (longest
+        text first, with the tokens' lstrip/rstrip attributes) and each text run between control tokens, markup
+        and content together, is tokenized whole, as llama.cpp tokenizes the fragments between special tokens.
+        """
+        items: list[str | int] = []  # text runs and control token ids
+        rstrip_next = False
+
+        def add_text(t: str) -> None:
+            nonlocal rstrip_next
+            if rstrip_next:
+                t = t.lstrip(_C_SPACE)
+                rstrip_next = not t
+            if not t:
+                return
+            if items and isinstance(items[-1], str):
+                items[-1] += t
+            else:
+                items.append(t)
+
+        for text, is_content in segments:
+            if is_content:
+                add_text(text)
+                continue
+            for part in self._split_control(text):
+                if isinstance(part, str):
+                    add_text(part)
+                    continue
+                tok, attr = part
+                if attr & _ll.LLAMA_TOKEN_ATTR_LSTRIP and items and isinstance(items[-1], str):
+                    items[-1] = items[-1].rstrip(_C_SPACE)
+                    if not items[-1]:
+                        items.pop()
+                items.append(tok)
+                rstrip_next = bool(attr & _ll.LLAMA_TOKEN_ATTR_RSTRIP)
+        out: list[int] = []
+        v = self._vocab
+        bos = int(_ll.llama_vocab_bos(v))
+        if _ll.llama_vocab_get_add_bos(v) and bos >= 0 and not (items and items[0] == bos):
+            out.append(bos)  # a template that prints bos_token itself gets it once, not twice
+        for item in items:
+            if isinstance(item, int):
+                out.append(item)
+            else:
+                out += self.tokenize(item, add_special=False, parse_special=False)
+        return out
+
+    def _split_control(self, text: str) -> list:
+        """`text` split into str runs and (token, attr) for every control/unknown token llama.cpp would match."""
+        specials: dict[str, tuple[int, int]] = {}
+        mask = _ll.LLAMA_TOKEN_ATTR_CONTROL | _ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        for t in set(self.tokenize(text, add_special=False, parse_special=True)):
+            attr = int(_ll.llama_vocab_get_attr(self._vocab, t))
+            if attr & mask and self.token_text(t):
+                specials[self.token_text(t).decode("utf-8", "replace")] = (t, attr)
+        parts: list = [text]
+        for s in sorted(specials, key=len, reverse=True):
+            split: list = []
+            for p in parts:
+                if not isinstance(p, str):
+                    split.append(p)
+                    continue
+                for i, chunk in enumerate(p.split(s)):
+                    if i:
+                        split.append(specials[s])
+                    if chunk:
+                        split.append(chunk)
+            parts = split
+        return parts
+
+    # -------------------------------------------------------------- the cache
+    def truncate(self, n_keep: int) -> None:
+        """Remove KV entries from position n_keep on (rollback of rejected tokens)."""
+        if n_keep >= len(self.tokens):
+            return
+        ok = _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
+        if not ok:
+            raise DecodeError(
+                f"{self.name}: llama.cpp cannot remove KV entries from position {n_keep} "
+                "(recurrent/hybrid models cannot roll back; use --method none)"
+            )
+        del self.tokens[n_keep:]
+
+    def clear(self) -> None:
+        _ll.llama_memory_clear(self._mem, True)
+        self.tokens.clear()
+
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last", copy: bool = True) -> np.ndarray:
+        """Append `tokens` at the end of the cache; return logits for the rows asked for.
+
+        logit_rows: "last", "all", or indices into `tokens`. Returns an array (rows, n_vocab). With
+        copy=False (single-chunk decodes only) it is a view of llama.cpp's buffer, valid until the next decode:
+        the hot path reads argmax from it without copying ~0.6 MB per row.
+        """
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("decode() needs at least one token")
+        if logit_rows == "last":
+            rows = [n - 1]
+        elif logit_rows == "all":
+            rows = list(range(n))
+        else:
+            rows = list(logit_rows)
+        if len(self.tokens) + n > self.n_ctx:
+            raise DecodeError(f"{self.name}: context full ({len(self.tokens)} + {n} > {self.n_ctx} tokens)")
+        want = set(rows)
+        out: list[np.ndarray] = []
+        b = self._batch
+        start = 0
+        while start < n:
+            chunk = tokens[start : start + self.n_batch]
+            base = len(self.tokens)
+            m = len(chunk)
+            b.n_tokens = m
+            chunk_rows = []
+            for i, t in enumerate(chunk):
+                b.token[i] = t
+                b.pos[i] = base + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                want_row = (start + i) in want
+                b.logits[i] = want_row
+                if want_row:
+                    chunk_rows.append(i)
+            t0 = time.perf_counter()
+            rc = _ll.llama_decode(self._ctx, b)
+            self.decode_s += time.perf_counter() - t0
+            if rc != 0:
+                # llama.cpp restores the memory state on failure
+                raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
+            self.tokens.extend(int(t) for t in chunk)
+            if chunk_rows:
+                ptr = _ll.llama_get_logits(self._ctx)
+                arr = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))
+                out.append(np.array(arr, copy=True) if (copy or start + m < n) else arr)
+            start += m
+        if not out:
+            return np.empty((0, self.n_vocab), dtype=np.float32)
+        return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+    def sync(self, context: Sequence[int], copy: bool = True) -> np.ndarray:
+        """Make the cache hold exactly `context` (reusing the common prefix); return the last row's logits."""
+        common = common_prefix(self.tokens, context)
+        if common == len(context):  # everything cached: re-decode the last token for its logits
+            common -= 1
+        self.truncate(common)
+        self.reused = common
+        return self.decode(context[common:], "last", copy=copy)[0]
+
+    # ------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        if _ll is None:
+            return
+        if getattr(self, "_batch", None) is not None:
+            _ll.llama_batch_free(self._batch)
+            self._batch = None
+        if getattr(self, "_ctx", None):
+            _ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            _ll.llama_model_free(self._model)
+            self._model = None
+            self._release_rpc()
+
+    def _release_rpc(self) -> None:
+        for ep in getattr(self, "rpc_servers", ()):
+            if ep in aborts.rpc_in_use:
+                aborts.rpc_in_use.remove(ep)
+
+    def __del__(self):  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _LazyTokenText(Sequence):
+    """token id -> text bytes without materialising 150k strings up front."""
+
+    def __init__(self, model: Model) -> None:
+        self._m = model
+
+    def __len__(self) -> int:
+        return self._m.n_vocab
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self._m.token_text(j) for j in range(*i.indices(len(self)))]
+        return self._m.token_text(i)

@@ -1,0 +1,181 @@
+"""The package layout is a rule, not a habit: the import graph of `localspec` (function-level imports counted) has
+no cycle, every import points down the layers, and each heavy third-party library stays in its own layer."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parent.parent / "localspec"
+
+# rank of each part of the package; a module may import modules of its own rank or lower, never higher
+LAYERS = [
+    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpc.protocol")),  # leaves: no localspec imports
+    (1, ("localspec.llama",)),
+    (2, ("localspec.core", "localspec.drafters", "localspec.models", "localspec.store", "localspec.bench",
+         "localspec.rpc")),
+    (3, ("localspec.settings", "localspec.session")),
+    (4, ("localspec.cli", "localspec.tui", "localspec.server", "localspec.__main__")),
+]
+# third-party libraries that belong to one layer only
+OWNERS = {
+    "llama_cpp": ("localspec.llama.lib",),
+    "typer": ("localspec.cli",),
+    "click": ("localspec.cli",),
+    "textual": ("localspec.tui",),
+    "fastapi": ("localspec.server",),
+    "starlette": ("localspec.server",),
+    "uvicorn": ("localspec.server",),
+    "rich": ("localspec.cli", "localspec.tui"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules() -> dict[str, Path]:
+    return {module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def imports_of(path: Path, name: str, known: set[str]) -> list[tuple[str, int]]:
+    """(imported module, line) for every import anywhere in the file: localspec modules resolved to the module
+    (not the attribute), other packages to their top-level name."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(a.name, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_pkg else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            for a in node.names:
+                sub = f"{mod}.{a.name}"
+                out.append((sub if sub in known else mod, node.lineno))
+    return out
+
+
+def rank(mod: str) -> int:
+    best, found = -1, None
+    for r, prefixes in LAYERS:
+        for p in prefixes:
+            if (mod == p or mod.startswith(p + ".")) and len(p) > best:
+                best, found = len(p), r
+    assert found is not None, f"{mod} is in no layer: add it to LAYERS"
+    return found
+
+
+def graph() -> dict[str, list[tuple[str, int]]]:
+    mods = modules()
+    known = set(mods)
+    return {m: imports_of(p, m, known) for m, p in mods.items()}
+
+
+def test_every_module_is_in_a_layer():
+    for m in modules():
+        rank(m)
+
+
+def test_imports_point_down_the_layers():
+    bad = []
+    for mod, imps in graph().items():
+        for imp, line in imps:
+            if imp.startswith("localspec") and imp in modules() and rank(imp) > rank(mod):
+                bad.append(f"{mod}:{line} imports {imp} (layer {rank(imp)} above {rank(mod)})")
+    assert not bad, "\n".join(bad)
+
+
+def test_third_party_libraries_stay_in_their_layer():
+    bad = []
+    for mod, imps in graph().items():
+        for imp, line in imps:
+            top = imp.split(".")[0]
+            owners = OWNERS.get(top)
+            if owners and not any(mod == o or mod.startswith(o + ".") for o in owners):
+                bad.append(f"{mod}:{line} imports {imp} (only {', '.join(owners)} may)")
+    assert not bad, "\n".join(bad)
+
+
+def find_cycle(g: dict[str, list[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        stack.append(n)
+        for m in g.get(n, ()):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                c = visit(m)
+                if c:
+                    return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(g):
+        if n not in state:
+            c = visit(n)
+            if c:
+                return c
+    return None
+
+
+def local_graph() -> dict[str, list[str]]:
+    g = graph()
+    mods = set(g)
+    # a package's __init__ re-exporting its submodules is not a cycle with them
+    return {m: sorted({i for i, _ in imps if i in mods and i != m and not i.startswith(m + ".")}) for m, imps in g.items()}
+
+
+def test_import_graph_has_no_cycle():
+    assert find_cycle(local_graph()) is None, " -> ".join(find_cycle(local_graph()))
+
+
+def test_the_cycle_check_sees_a_cycle():
+    assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": ["b"], "b": []}) is None
+
+
+def longest_path(g: dict[str, list[str]]) -> list[str]:
+    memo: dict[str, list[str]] = {}
+
+    def lp(n):
+        if n not in memo:
+            memo[n] = [n] + max((lp(m) for m in g.get(n, ())), key=len, default=[])
+        return memo[n]
+
+    return max((lp(n) for n in g), key=len)
+
+
+def test_longest_import_path_is_reported(capsys):
+    """Not a limit, a measurement (the layout note quotes it): printed with -s."""
+    path = longest_path(local_graph())
+    with capsys.disabled():
+        print(f"\nlongest import path ({len(path)} modules): {' -> '.join(path)}")
+    assert len(path) >= 3
+
+
+@pytest.mark.parametrize("src,owner", [("import typer\n", "localspec.core.engine"),
+                                       ("from localspec.cli import main\n", "localspec.core.engine")])
+def test_the_layer_checks_catch_a_violation(tmp_path, src, owner):
+    """A deliberately wrong import is caught by the same code the real checks use."""
+    p = tmp_path / "engine.py"
+    p.write_text(src)
+    imps = imports_of(p, owner, set(modules()))
+    top = imps[0][0]
+    if top.startswith("localspec"):
+        assert rank(top) > rank(owner)
+    else:
+        assert owner not in OWNERS[top.split(".")[0]]
