@@ -129,8 +129,9 @@ class Session:
 
     def __init__(self, flags: dict[str, Any] | None = None, *, quiet: bool = False,
                  announce: Callable[[str], None] | None = None) -> None:
+        self._settings: dict[str, Setting] | None = None  # the resolved snapshot, until flags or overrides change
         self.flags = {k: v for k, v in (flags or {}).items() if v is not None}
-        self.overrides: dict[str, Any] = {}
+        self.overrides = {}
         self.quiet = quiet
         self.announce = announce
         self.engine = None
@@ -141,8 +142,33 @@ class Session:
         self.dropped_draft: str | None = None  # why resolve_models left out an incompatible draft (--method auto)
 
     # ------------------------------------------------------------ settings
+    @property
+    def flags(self) -> dict[str, Any]:
+        return self._flags
+
+    @flags.setter
+    def flags(self, value: dict[str, Any]) -> None:
+        self._flags, self._settings = dict(value), None
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        """Changes made during the session (chat's slash commands); assigning them drops the settings snapshot."""
+        return self._overrides
+
+    @overrides.setter
+    def overrides(self, value: dict[str, Any]) -> None:
+        self._overrides, self._settings = dict(value), None
+
     def settings(self) -> dict[str, Setting]:
-        return resolve_settings(self.flags, self.overrides)
+        """Every setting with its value and source: resolved once (config file, environment, pair, tune results),
+        then kept until the session's flags or overrides change (`refresh()` re-reads the files)."""
+        if self._settings is None:
+            self._settings = resolve_settings(self._flags, self._overrides)
+        return dict(self._settings)
+
+    def refresh(self) -> None:
+        """Forget the snapshot: the next read resolves the settings again (the config file may have changed)."""
+        self._settings = None
 
     def values(self) -> dict[str, Any]:
         return {k: s.value for k, s in self.settings().items()}
@@ -158,6 +184,23 @@ class Session:
         trial = {**self.overrides, key: value}
         validate({k: s.value for k, s in resolve_settings(self.flags, trial).items()})
         self.overrides = trial
+
+    def prepare(self) -> None:
+        """The one-time work before the first answer, done while the front end shows it is loading: the exactness
+        probe for the k in use (cached per model and build, seconds on a CPU)."""
+        v = self.values()
+        if self.engine is not None and v["method"] != "none":
+            self.engine.exact_k(gen_config(v).k)
+
+    def notices(self) -> Iterator[str]:
+        """What the user should be told once after loading, in plain words (each front end shows them its way)."""
+        engine = self.engine
+        if engine is None:
+            return
+        if engine.dropped_draft:
+            yield f"{engine.dropped_draft}; using prompt lookup"
+        if engine.template_warning:
+            yield engine.template_warning
 
     def check(self) -> None:
         """Fail on bad values (and unreachable RPC workers) before loading gigabytes."""
@@ -248,12 +291,6 @@ class Session:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-
-    def __enter__(self) -> "Session":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------- machine-wide generation slots

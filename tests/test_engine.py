@@ -77,7 +77,9 @@ def test_stats_are_consistent(self_engine):
     assert s.drafted_at[0] == s.target_passes - s.k_used.get(0, 0) or s.drafted_at[0] <= s.target_passes
     assert sum(s.accepted_at) == s.accepted
     assert 0 < s.ttft_s <= s.elapsed_s and s.draft_s > 0 and s.verify_s > 0
-    d = s.to_dict()
+    from localspec.core.report import figures
+
+    d = figures(s)
     for key in ("acceptance_rate", "mean_accepted_length", "tokens_per_second", "acceptance_by_position"):
         assert key in d
 

@@ -1,10 +1,10 @@
-"""Generation statistics: a plain dataclass the decoder fills and the CLI/TUI/bench read."""
+"""Generation statistics: a plain dataclass the decoder fills; core/report.py renders it for every front end."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -125,19 +125,3 @@ class Stats:
         if n < self.MIN_RATE_TOKENS or span < self.MIN_RATE_S:
             return None
         return n / span
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("emitted_at", None)
-        d.pop("running", None)
-        d.pop("started", None)
-        d["k_used"] = {str(k): v for k, v in sorted(self.k_used.items())}
-        d["method_used"] = dict(self.method_used)
-        d.update(
-            acceptance_rate=self.acceptance_rate,
-            tokens_per_pass=self.tokens_per_pass,
-            mean_accepted_length=self.mean_accepted_length,
-            acceptance_by_position=self.acceptance_by_position,
-            tokens_per_second=self.tokens_per_second,
-        )
-        return d
