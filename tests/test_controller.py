@@ -173,3 +173,30 @@ def test_lookup_is_judged_per_match_length():
         p.observe(drafter, k, k, n, 0.0, T1 * measured[k + 1])
     assert np.mean(took[4][100:]) > 0.9  # the copies are drafted
     assert np.mean(took[2][100:]) < 0.2  # the prose matches mostly not
+
+
+def test_exactness_auto_leaves_the_bit_cap_only_when_a_bigger_k_pays():
+    """Native llama-lookup beat `auto` 0.69x on a summary: exactness auto kept the bit cap k<=2 where k=3+ paid
+    (issue: bit-exactness only where it is free). With a verify curve where bigger batches are cheap and drafts
+    accepted, the policy leaves the cap and says why; where bigger batches cost what they gain, it keeps it."""
+
+    class Lookup(FakeLookup):
+        def match(self, context, k):
+            return [7] * k, 4
+
+    def run(curve, alpha, seed):
+        lk = Lookup()
+        p = AdaptivePolicy({"lookup": lk}, k_max=8, cost_prior={"lookup": 0.0},
+                           verify_prior={b: curve(b) / T1 for b in range(1, 10)}, bit_cap=2)
+        ks = simulate(p, lambda s: alpha, 0.0, curve, 200, np.random.default_rng(seed), name="lookup")
+        return p, ks
+
+    p, ks = run(flat, 0.95, 1)  # GPU-like curve, copied text: k=8 pays far more than k<=2
+    assert p.switched and p.switched.startswith("lossless: k=") and "bit cap k<=2" in p.switched
+    first = next(i for i, k in enumerate(ks) if k > 2)
+    assert all(k <= 2 for k in ks[:first]) and max(ks) > 2
+    steep = lambda b: T1 * b  # noqa: E731  every row costs a full step: no k above the cap can pay more
+    p, ks = run(steep, 0.95, 2)
+    assert p.switched is None and max(ks) <= 2
+    p, ks = run(flat, 0.3, 3)  # prose: low acceptance, bigger k does not pay enough
+    assert p.switched is None and max(ks) <= 2

@@ -383,3 +383,39 @@ def test_gpu_layers_default_to_all_when_there_is_a_gpu(target_path, monkeypatch)
         assert e.target.n_gpu_layers == 0 and e.draft.n_gpu_layers == 3
     finally:
         e.close()
+
+
+def test_auto_exactness_leaves_the_bit_cap_when_a_bigger_k_pays(target_path, monkeypatch):
+    """`auto` as shipped stayed at k<=2 (the bit cap) where native lookup's k=3 paid 1.3x; now the controller moves
+    to lossless once its cost model says a k above the cap pays, says why, and the output stays the target's.
+    The drafter is a free oracle (it proposes plain decoding's own continuation), so acceptance is certain."""
+    import localspec.core.exactness as ex
+    from localspec.drafters.base import Drafter, Proposal
+
+    monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto: min(3, upto))  # bit cap: k <= 2
+    e = Engine.load(target_path, None, n_ctx=1024)
+    try:
+        prompt = e.raw_prompt(PROMPTS[0])
+        plain_tokens = e.complete(prompt, GenConfig(method="none", max_tokens=120)).tokens
+
+        class Oracle(Drafter):
+            name = "oracle"
+
+            def cost(self):
+                return 0.0
+
+            def propose(self, context, k, sp, rng):
+                done = len(context) - len(prompt)
+                return Proposal(plain_tokens[done:done + k])
+
+        oracle = Oracle()
+        monkeypatch.setattr(e, "drafters_for", lambda cfg, method: {"oracle": oracle})
+        monkeypatch.setattr(e, "verify_costs", lambda upto: {b: 1.0 for b in range(1, upto + 1)})  # a GPU's curve
+        r = e.complete(prompt, GenConfig(method="auto", k=8, max_tokens=120))
+        assert r.tokens == plain_tokens
+        assert r.stats.exactness == "lossless" and r.stats.exactness_reason.startswith("lossless: k=")
+        assert "bit cap k<=2" in r.stats.exactness_reason and max(r.stats.k_used) > 2 and r.stats.k_cap == 8
+        bit = e.complete(prompt, GenConfig(method="auto", k=8, max_tokens=120, exactness="bit"))
+        assert bit.stats.exactness == "bit" and max(bit.stats.k_used) <= 2 and bit.tokens == plain_tokens
+    finally:
+        e.close()

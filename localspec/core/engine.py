@@ -342,7 +342,12 @@ class Engine:
         if adaptive:
             if self.controller_state is None:
                 self.controller_state = {}
-            return AdaptivePolicy(drafters, k, self.controller_state, None, self.verify_costs(k + 1)), method, k
+            # exactness auto: bit-exact within the cap, until the controller measures that a bigger k pays
+            bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
+            k_max = cfg.k if bit_cap is not None else k
+            policy = AdaptivePolicy(drafters, k_max, self.controller_state, None, self.verify_costs(k_max + 1),
+                                    bit_cap=bit_cap)
+            return policy, method, k
         if method == "auto":
             method = "draft" if "draft" in drafters else "lookup"
         return FixedPolicy(drafters[method], k), method, k
@@ -449,6 +454,10 @@ class Engine:
                     stats.method_used["none"] += 1
                 stats.k_used[k if drafter is not None else 0] += 1
                 policy.observe(drafter, k, gamma, n_acc, None if proposal.catch_up_s > 0.0 else tv - td, te - tv)
+                switched = policy.switched
+                if switched and stats.exactness == "bit":  # exactness auto left the bit cap: say so, and from where
+                    stats.exactness, stats.k_cap = "lossless", cfg.k
+                    stats.exactness_reason = f"{switched} (from token {stats.completion_tokens + 1})"
                 new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
                 for tok, drafted in new:
                     if target.is_eog(tok):

@@ -24,15 +24,19 @@ CATCH_UP_MAX = 8  # probe a draft model only when its cache is at most this far 
 EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
 RECHECK_EVERY = 4 * PROBE_EVERY  # a drafter that looks hopeless is still probed this often: its figures may be stale
 DEFAULT_DRAFT_COST = 0.5  # draft cost per token in target steps, for a drafter that does not say
+SWITCH_MARGIN = 1.05  # exactness auto leaves the bit cap only for a k that pays this much more than the cap allows
+SWITCH_EVIDENCE = 6.0  # ... judged on an estimate with at least this many (decayed) observations
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
 
 
 class Policy(Protocol):
     """What the engine asks of a draft-length policy, fixed or adaptive: each step a drafter (None: a plain step)
     and k, then the step's outcome; `drafters` are every drafter the policy may pick (the engine runs their
-    after-decode hooks on every step); `reason` says in words what it chose and why."""
+    after-decode hooks on every step); `reason` says in words what it chose and why; `switched` is set (to the
+    reason) once the policy has left bit exactness for a k above the bit cap (exactness auto)."""
 
     drafters: dict[str, Drafter]
+    switched: str | None
 
     def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]: ...
 
@@ -49,6 +53,7 @@ class FixedPolicy:
         self.drafter = drafter
         self.k = k if drafter is not None else 0
         self.drafters = {drafter.name: drafter} if drafter is not None else {}
+        self.switched = None
 
     def choose(self, context: Sequence[int]) -> tuple[Drafter | None, int]:
         return self.drafter, self.k
@@ -157,10 +162,14 @@ class AdaptivePolicy:
     """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
 
     def __init__(self, drafters: dict[str, Drafter], k_max: int, state: dict | None = None,
-                 cost_prior: dict | None = None, verify_prior: dict | None = None) -> None:
+                 cost_prior: dict | None = None, verify_prior: dict | None = None, bit_cap: int | None = None) -> None:
         """cost_prior: drafter name -> draft cost per token relative to one target step, used until measured
         (default: each drafter's own `cost()`). verify_prior: batch size -> T(b)/T(1) as calibrated on this
-        machine, used for batch sizes not yet timed."""
+        machine, used for batch sizes not yet timed. bit_cap (exactness auto): k stays within it, so verify
+        batches are bit-exact, until the cost model says a k above it pays by more than SWITCH_MARGIN; then the
+        policy leaves bit exactness for the rest of the answer (`switched` says why) and uses k up to k_max."""
+        self.bit_cap = bit_cap if bit_cap is not None and bit_cap < k_max else None
+        self.switched: str | None = None
         self.drafters = drafters
         self.cost_prior = {n: d.cost() for n, d in drafters.items() if d.cost() is not None}
         self.cost_prior.update(cost_prior or {})
@@ -216,9 +225,18 @@ class AdaptivePolicy:
             self._est_key[name] = key
             est = self._estimate(key, name)
             t_tok = self._t_token(name, plain)
-            k, rate = best_k(est, self.curve, k_cap, t_tok)
+            cap = k_cap if self.bit_cap is None else min(k_cap, self.bit_cap)
+            k, rate = best_k(est, self.curve, cap, t_tok)
+            if cap < k_cap and est.tried and est.tried[0] >= SWITCH_EVIDENCE:
+                k_full, rate_full = best_k(est, self.curve, k_cap, t_tok)
+                bit_best = max(rate, plain)
+                if k_full > cap and rate_full > SWITCH_MARGIN * bit_best:
+                    self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
+                                     f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
+                    self.bit_cap = None
+                    k, rate, cap = k_full, rate_full, k_cap
             if k:
-                options.append((rate, name, k, k_cap, t_tok))
+                options.append((rate, name, k, cap, t_tok))
         options.sort(reverse=True)
         if options and options[0][0] > plain:
             rate, name, k, k_cap, _ = options[0]
