@@ -16,10 +16,23 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from filelock import FileLock, Timeout
+
 from localspec import settings as config
-from localspec.settings import Setting
 from localspec.core import defaults as D
 from localspec.errors import SettingError, UsageError
+from localspec.llama import aborts  # hooks only: no llama_cpp import
+from localspec.llama.threads import check_threads
+from localspec.models import download, registry
+from localspec.models import hubname as hfname
+from localspec.models.spec import FileSpec
+from localspec.rpc import protocol as rpc
+from localspec.settings import Setting
+from localspec.store import history
+from localspec.store.cachefile import cache_dir
+
+# function-level imports below load the engine (numpy, and llama.cpp through llama.model) only when a generation
+# needs it: `localspec config`, `models` and `history` never pay for them
 
 # keys `localspec tune` stores -> setting names
 TUNED_KEYS = {"method": "method", "k": "draft_tokens", "p_min": "p_min"}
@@ -31,8 +44,6 @@ def tuned_results() -> dict:
 
 def pair_for(model: str | None):
     """The registry pair a model setting names, or None for a path or a hub name."""
-    from localspec.models import registry
-
     if not model:
         return None
     kind, obj = registry.resolve_name(model)
@@ -40,7 +51,6 @@ def pair_for(model: str | None):
 
 
 def tuned_key(model: str, pair) -> str:
-    from localspec.models import hubname as hfname
 
     if pair is not None:
         return pair.name
@@ -84,8 +94,6 @@ def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, A
 def validate(v: dict[str, Any]) -> None:
     """The checks every front end applies before anything is loaded (run, chat and its slash commands, bench). The
     generation settings (method, k, sampling, lookup ranges) are checked by the engine's own GenConfig, once."""
-    from localspec.llama.sysinfo import check_threads
-
     check_threads(v.get("threads"))
     ctx = v.get("ctx_size")
     if ctx is not None and ctx < D.MIN_CTX:
@@ -204,8 +212,6 @@ class Session:
 
     def check(self) -> None:
         """Fail on bad values (and unreachable RPC workers) before loading gigabytes."""
-        from localspec.rpc import protocol as rpc
-
         v = self.values()
         validate(v)
         rpc.check_settings(v.get("rpc"), v.get("tensor_split"))
@@ -220,11 +226,6 @@ class Session:
         (hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT]); hub files are fetched on first use. When a file must be
         downloaded, the pair check runs first on the GGUF headers: an incompatible draft is an error before any
         download, or, with --method auto, is dropped without being downloaded (the reason in dropped_draft)."""
-        from localspec.models import download
-        from localspec.models import hubname as hfname
-        from localspec.models import registry
-        from localspec.models.spec import FileSpec
-
         v = self.values()
         model, draft, method = v["model"], v["draft"], v["method"]
         self.dropped_draft = None
@@ -277,9 +278,6 @@ class Session:
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
             rpc=v.get("rpc"), tensor_split=v.get("tensor_split"), chat_template=self.chat_template,
         )
-        from localspec.llama import aborts
-        from localspec.store import history
-
         aborts.on_abort(history.save_now)  # llama.cpp may kill the process (a dead RPC worker): keep the chat
         if engine.dropped_draft is None and self.dropped_draft:
             engine.dropped_draft = self.dropped_draft  # dropped before its download
@@ -312,10 +310,6 @@ def generation_slot(waiting: Callable[[str], None] | None = None, poll_s: float 
     """Take one of LOCALSPEC_PARALLEL (default 1) machine-wide slots for a generation. llama.cpp's threads spin
     while they wait for work, so two generations at once on the same cores each run far below half speed; in
     turn, they finish sooner. Yields the slot number; `waiting` is told once when another process holds them all."""
-    from filelock import FileLock, Timeout
-
-    from localspec.store.cachefile import cache_dir
-
     n = parallel_slots()
     d = cache_dir() / "locks"
     d.mkdir(parents=True, exist_ok=True)

@@ -179,3 +179,15 @@ def test_the_layer_checks_catch_a_violation(tmp_path, src, owner):
         assert rank(top) > rank(owner)
     else:
         assert owner not in OWNERS[top.split(".")[0]]
+
+
+def test_checking_settings_does_not_load_llama_cpp():
+    """`localspec config set threads 4` validated the value through the llama layer and loaded llama.cpp to do it;
+    the thread bound needs only the CPU count."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from localspec import session; session.validate({'threads': 2, 'ctx_size': 64});"
+            "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr

@@ -172,7 +172,8 @@ class Engine:
         ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
         from localspec.rpc import protocol as rpc_mod
         from localspec.llama.model import Model
-        from localspec.llama.sysinfo import check_threads, resolve_gpu_layers
+        from localspec.llama.sysinfo import resolve_gpu_layers
+        from localspec.llama.threads import check_threads
         check_threads(threads)  # before loading anything
 
         workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects

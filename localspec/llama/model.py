@@ -18,7 +18,7 @@ import numpy as np
 from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import aborts, ggml, lib
 from localspec.llama.lib import ll as _ll
-from localspec.llama.sysinfo import check_threads, default_threads
+from localspec.llama.threads import check_threads, default_threads
 from localspec.llama.vocab import VocabInfo
 from localspec.rpc import protocol as rpc
 from localspec.seq import common_prefix
