@@ -163,7 +163,7 @@ def test_save_never_overwrites_without_asking(target_path, tmp_path):
 def test_overwrite_dialog_defaults_to_no_esc_cancels_and_typing_is_kept(tmp_path):
     """The data-loss bug: "Overwrite it?" had Yes focused and ignored Esc, so the next prompt typed plus Enter
     overwrote the file and the typed text was lost."""
-    from localspec.tui.app import ConfirmScreen
+    from localspec.tui.screens.confirm import ConfirmScreen
 
     app = create_app(settings(tmp_path / "missing.gguf"))  # /save needs no model
     md = tmp_path / "notes.md"
@@ -214,7 +214,7 @@ def test_saved_markdown_of_a_stopped_answer_closes_its_code_fence(tmp_path):
 
 def test_chat_is_stored_as_it_happens_and_history_commands(target_path, tmp_path):
     from localspec.store.history import History
-    from localspec.tui.app import ConfirmScreen
+    from localspec.tui.screens.confirm import ConfirmScreen
     from localspec.errors import UsageError
 
     store = History(tmp_path / "h.sqlite3")
@@ -419,7 +419,7 @@ def test_command_palette_lists_every_slash_command(tmp_path):
     from textual.command import CommandPalette
     from textual.widgets import OptionList
 
-    from localspec.tui.app import SLASH
+    from localspec.tui.commands import SLASH
 
     app = create_app(settings(tmp_path / "missing.gguf"))
 
