@@ -692,3 +692,44 @@ def test_compare_names_the_drafter_that_produced_the_answer():
         plain.token_emitted(now=i * 0.2)
     note = compare_note(SimpleNamespace(stats=plain, tokens=[1]), SimpleNamespace(stats=st, tokens=[1]), 0.0)
     assert f"vs {st.main_method} " in note and st.main_method == "lookup" and "output identical" in note
+
+
+def test_help_wraps_each_description_in_its_own_column(tmp_path):
+    """/help was one block of text: a long description wrapped to column 0, under the commands."""
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "/help")
+            await until(pilot, lambda: any(m.role == "help" for m in app.query(MessageView)))
+            await pilot.pause(0.1)
+            view = [m for m in app.query(MessageView) if m.role == "help"][0]
+            lines = lines_of(view.query_one(".body"))
+            rows = lines[1:lines.index(next(ln for ln in lines if ln.startswith("keys:")))]
+            assert any(ln.startswith(" " * 20) for ln in rows)  # this window is narrow enough to wrap some
+            for ln in rows:
+                assert ln.startswith("  /") or ln.startswith(" " * 20), ln
+
+    asyncio.run(go())
+
+
+def test_the_panel_says_which_drafter_auto_used_and_the_exactness_with_its_reason(tmp_path):
+    """Under --method auto the panel said only "method auto", not what actually drafted."""
+    from localspec.core.stats import Stats
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.query_one(StatsPanel)
+            st = Stats(method="auto", exactness="lossless", exactness_reason="lossless: asked for")
+            st.record_step(3, 2)
+            st.method_used.update({"none": 4, "lookup": 3, "draft": 1})
+            panel.update_stats(st)
+            await pilot.press("f3")
+            await pilot.pause(0.1)
+            assert "method           auto → lookup" in lines_of(app.query_one("#figures"))
+            expert = "\n".join(lines_of(app.query_one("#expert")))
+            assert "exactness        lossless" in expert and "lossless: asked for" in expert
+
+    asyncio.run(go())

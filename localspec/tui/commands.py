@@ -59,8 +59,26 @@ def error_text(exc: LocalspecError, cmd: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------ handlers: (app, argument) -> None
+def help_table():
+    """HELP as two columns: a description too long for the window wraps in its own column."""
+    from rich.padding import Padding
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table.grid(padding=(0, 2))
+    table.add_column(no_wrap=True)
+    table.add_column()
+    for cmd, arg, help_text in SLASH:
+        table.add_row(Text((cmd + " " + arg).strip()), Text(help_text))
+    out = Table.grid()
+    out.add_row(Text("commands:"))
+    out.add_row(Padding(table, (0, 0, 0, 2)))
+    out.add_row(Text(KEYS_HELP))
+    return out
+
+
 def show_help(app, arg: str) -> None:
-    app.query_one(Transcript).add("help", HELP)
+    app.query_one(Transcript).add("help", HELP, body=help_table())
 
 
 def set_method(app, arg: str) -> None:
