@@ -623,8 +623,9 @@ def test_a_bad_setting_is_refused_by_the_session_and_named_by_its_command(tmp_pa
                 assert len(notes) == 1 and word in notes[0], (cmd, notes)
                 assert "draft_tokens" not in notes[0] and "-k" not in notes[0].replace("/k", ""), notes
             assert (app.s["draft_tokens"], app.s["method"], app.s["temperature"]) == (2, "draft", 0.0)  # unchanged
-            await send(pilot, "/exactness lossless")  # a good value goes through
+            await send(pilot, "/exactness lossless")  # a good value goes through, and says so
             assert app.s["exactness"] == "lossless"
+            assert "exactness lossless" in list(app._notifications)[-1].message
 
     asyncio.run(go())
 

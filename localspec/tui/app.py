@@ -138,7 +138,7 @@ class LocalspecApp(ChatHistory, App):
             if model != self.s["model"]:
                 self.change_setting("model", model)
             if self._loader is not None:
-                engine = self._loader(self.s)
+                engine = self._loader(dict(self.s))
             else:
                 engine = self.session.load()
             if (self.s.get("method") or D.METHOD) != "none":

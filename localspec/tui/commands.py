@@ -87,6 +87,7 @@ def set_method(app, arg: str) -> None:
 
 def set_exactness(app, arg: str) -> None:
     app.change_setting("exactness", arg)
+    app.notify(f"exactness {arg} from the next answer")  # the header does not show it
 
 
 def set_k(app, arg: str) -> None:
