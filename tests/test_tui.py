@@ -734,3 +734,11 @@ def test_the_panel_says_which_drafter_auto_used_and_the_exactness_with_its_reaso
             assert "exactness        lossless" in expert and "lossless: asked for" in expert
 
     asyncio.run(go())
+
+
+def test_every_listed_command_has_a_handler_and_every_handler_is_listed():
+    from localspec.tui.commands import HANDLERS, QUIT_COMMANDS, SLASH
+
+    listed = {cmd for cmd, _, _ in SLASH}
+    assert listed <= set(HANDLERS)
+    assert set(HANDLERS) - listed == {"/clear", *QUIT_COMMANDS} - {"/quit"}  # aliases, named in /help's text
