@@ -12,10 +12,11 @@ TARGET_STYLE = ""
 
 
 class MessageView(Vertical):
-    def __init__(self, role: str, text: str = "", show_colors: bool = True, **kwargs) -> None:
+    def __init__(self, role: str, text: str = "", show_colors: bool = True, body=None, **kwargs) -> None:
         super().__init__(classes=f"message {role}", **kwargs)
         self.role = role
         self.text = text
+        self.body = body  # a Rich renderable shown instead of `text` (e.g. /help's table); `text` stays the words
         self.spans: list[tuple[str, bool]] = []  # (text, came from an accepted draft token)
         self.finished = role != "assistant"
         self.note = ""
@@ -27,7 +28,7 @@ class MessageView(Vertical):
             yield Static(self._rich(), classes="body stream")
             yield Markdown("", classes="body final")
         else:
-            yield Static(Text(self.text), classes="body")
+            yield Static(self.body if self.body is not None else Text(self.text), classes="body")
         yield Static("", classes="note")
 
     def on_mount(self) -> None:

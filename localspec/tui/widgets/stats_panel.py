@@ -23,6 +23,12 @@ def rate_text(rate: float | None) -> str:
     return "—" if rate is None else f"{rate:.1f}"
 
 
+def method_text(stats) -> str:
+    """The method asked for; under auto, with the drafter that produced most of the answer (auto → lookup)."""
+    used = stats.main_method
+    return f"{stats.method} → {used}" if stats.method == "auto" and used != "none" else stats.method
+
+
 def mib(n_bytes: int) -> str:
     return f"{n_bytes / 2**20:,.0f}{NBSP}MiB"  # a no-break space: the number never ends a line without its unit
 
@@ -88,7 +94,7 @@ class StatsPanel(Vertical):
             f"first token      {self._t(stats.ttft_s, '.2f')}{NBSP}s",
             f"tokens           {stats.completion_tokens}",
             f"prompt reused    {stats.cached_prompt_tokens} of {stats.prompt_tokens}",
-            f"method           {stats.method}",
+            f"method           {method_text(stats)}",
             "details: F3" + ("" if self.expert else " (show)"),
         ]
         self.query_one("#figures", Static).update(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"))

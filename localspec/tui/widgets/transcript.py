@@ -8,8 +8,8 @@ from localspec.tui.widgets.message import MessageView
 
 
 class Transcript(VerticalScroll):
-    def add(self, role: str, text: str = "", show_colors: bool = True) -> MessageView:
-        m = MessageView(role, text, show_colors=show_colors)
+    def add(self, role: str, text: str = "", show_colors: bool = True, body=None) -> MessageView:
+        m = MessageView(role, text, show_colors=show_colors, body=body)
         self.mount(m)
         self.scroll_end(animate=False)
         return m
