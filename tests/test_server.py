@@ -47,9 +47,12 @@ class Served:
 
     def raw(self, method, path, body=None, headers=None):
         """(status, headers, parsed JSON) for a hand-made request (malformed bodies the client would not send)."""
+        headers = dict(headers or {})
+        if method == "POST" and not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"  # what every JSON client sends (other types: 415)
         conn = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
         try:
-            conn.request(method, path, body=body, headers=headers or {})
+            conn.request(method, path, body=body, headers=headers)
             r = conn.getresponse()
             data = r.read()
             return r.status, dict(r.getheaders()), json.loads(data) if data else None
@@ -166,7 +169,8 @@ def test_completion_equals_run_raw_streamed_and_not(served, plain):
 
 def test_stream_ends_with_done(served):
     conn = http.client.HTTPConnection(served.host, int(served.port), timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True}))
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": 3, "stream": True}),
+                 headers={"Content-Type": "application/json"})
     r = conn.getresponse()
     body = r.read().decode()
     conn.close()
@@ -296,7 +300,8 @@ def test_disconnect_while_waiting_non_streamed_cancels(served):
     """A non-streamed request's client that leaves is noticed by polling, and its generation stops."""
     before = served.health()["generations"]
     conn = http.client.HTTPConnection(served.host, int(served.port), timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": LONG}))
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": LONG}),
+                 headers={"Content-Type": "application/json"})
     served.wait_for(lambda h: h["generating"], "a generation running")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
@@ -420,7 +425,7 @@ def test_serve_port_in_use_is_one_error_line(target_path, tmp_path):
 
 
 def test_exposure_warning_text():
-    from localspec.server.app import exposure_warning
+    from localspec.server.run import exposure_warning
 
     assert exposure_warning("127.0.0.1", 8080, None) is None
     assert exposure_warning("localhost", 8080, None) is None
@@ -435,8 +440,8 @@ def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
     when the wait timed out, so a non-streamed request's generation ran on after its client had gone."""
     import asyncio
 
-    from localspec.server import app as S
     from localspec.core.engine import GenConfig
+    from localspec.server import queue as S
 
     class GoneRequest:
         checks = 0
