@@ -40,6 +40,21 @@ def model_id(session) -> str:
     return session.pair.name if session.pair is not None else session.target_path.name
 
 
+def check_ranges(req: Common) -> None:
+    """The checks OpenAI applies before anything else (the engine checks the rest)."""
+    if req.n is not None and req.n != 1:
+        raise APIError(400, "n must be 1 (one choice per request)", param="n")
+    t = req.temperature
+    if t is not None and t > 2:
+        raise APIError(400, f"temperature must be between 0 and 2, got {t}", param="temperature")
+    for key in ("presence_penalty", "frequency_penalty"):
+        x = getattr(req, key)
+        if x is not None and not -2 <= x <= 2:
+            raise APIError(400, f"{key} must be between -2 and 2, got {x}", param=key)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+
+
 def _config(config: ServerConfig | None, **overrides) -> ServerConfig:
     given = {k: v for k, v in overrides.items() if v is not None}
     return (config or ServerConfig()).replace(**given) if given else (config or ServerConfig())
@@ -56,12 +71,15 @@ class Generations:
         self.accepted_names = {self.name, session.target_path.name, session.target_path.stem, *ALIASES}
         self.worker = Worker(session, cfg.queue_size, log)
 
-    def gen_config(self, req: Common) -> GenConfig:
-        if req.model is not None and req.model not in self.accepted_names:
-            raise APIError(400, f"model {req.model!r} is not served here; this server serves {self.name!r}",
+    def check_model(self, model: str | None) -> None:
+        """Any name is served by the one loaded pair (as llama-server does), unless strict_model: then 404."""
+        if model is not None and self.cfg.strict_model and model not in self.accepted_names:
+            raise APIError(404, f"model {model!r} is not served here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
-        if req.n is not None and req.n != 1:
-            raise APIError(400, "n must be 1 (one choice per request)", param="n")
+
+    def gen_config(self, req: Common) -> GenConfig:
+        self.check_model(req.model)
+        check_ranges(req)
         changes: dict[str, Any] = {}
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if mt is not None:
@@ -213,14 +231,21 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         return await gens.run(request, req, lambda eng: eng.raw_prompt(prompt),
                               lambda *a: O.completion_chunk(name, *a), lambda *a: O.completion_whole(name, *a))
 
+    def model_object() -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "localspec",
+                "localspec": {"target": engine.target.name,
+                              "draft": engine.draft.name if engine.draft is not None else None,
+                              "method": base["method"], "k": S.gen_config(base).k, "n_ctx": engine.target.n_ctx,
+                              "max_k": cfg.max_k, "aliases": sorted(gens.accepted_names - {name})}}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "localspec",
-            "localspec": {"target": engine.target.name, "draft": engine.draft.name if engine.draft is not None else None,
-                          "method": base["method"], "k": S.gen_config(base).k, "n_ctx": engine.target.n_ctx,
-                          "max_k": cfg.max_k, "aliases": sorted(gens.accepted_names - {name})},
-        }]}
+        return {"object": "list", "data": [model_object()]}
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str):
+        gens.check_model(model)
+        return model_object()  # the served id, whatever name was asked for (unless strict_model)
 
     @app.get("/health")
     async def health():

@@ -13,7 +13,9 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import json
+import re
 import socket
+import uuid
 
 from localspec.server.config import LOOPBACK_NAMES
 from localspec.server.openai import error_body
@@ -85,8 +87,19 @@ def origin_of(value: str) -> str:
     return value.strip().lower().rstrip("/")
 
 
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(given: bytes | None) -> bytes:
+    """A client's own X-Request-Id when it is a plain token (kept for its logs), else a new one."""
+    if given is not None and _REQUEST_ID.fullmatch(given.decode("latin-1")):
+        return given
+    return f"req_{uuid.uuid4().hex}".encode()
+
+
 class Gate:
-    """ASGI middleware: the Host and Origin checks (see the module doc); 403 with an OpenAI error body."""
+    """ASGI middleware: the Host and Origin checks (see the module doc); 403 with an OpenAI error body. Every
+    response, refusals included, carries an X-Request-Id header."""
 
     def __init__(self, app, host_ok: HostCheck, cors_origins=()) -> None:
         self.app = app
@@ -98,6 +111,15 @@ class Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or [])
+        rid = request_id(headers.get(b"x-request-id"))
+        scope.setdefault("state", {})["request_id"] = rid.decode()
+        inner_send = send
+
+        async def send(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid)]}
+            await inner_send(message)
+
         host = headers.get(b"host")
         host = host.decode("latin-1") if host is not None else None
         if not self.host_ok(host):

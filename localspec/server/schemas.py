@@ -42,6 +42,8 @@ class Common(_Body):
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
     n: Optional[int] = None
+    presence_penalty: Optional[float] = None  # range-checked as OpenAI does; not applied
+    frequency_penalty: Optional[float] = None
 
 
 class ChatMessage(_Body):
