@@ -273,3 +273,15 @@ def test_a_signal_mid_stream_ends_it_with_an_error_event_and_done(target_path, t
     err = err.decode()
     assert p.returncode == 0 and "localspec serve: stopped" in err, err
     assert "Traceback" not in err and "CancelledError" not in err, err
+
+
+def test_serve_takes_the_server_settings_as_keywords():
+    """The CLI calls serve(session, host=, port=, api_key=, queue_size=); the new settings are optional keywords,
+    checked before anything is bound or loaded."""
+    from localspec.errors import UsageError
+    from localspec.server.app import serve
+
+    with pytest.raises(UsageError, match="max k"):
+        serve(object(), port=0, max_k=0)
+    with pytest.raises(UsageError, match="--queue"):
+        serve(object(), port=0, queue_size=0, cors_origins="http://ui.example", allowed_hosts="*", strict_model=True)

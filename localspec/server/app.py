@@ -5,7 +5,7 @@ Generations run one at a time on a worker thread (server/queue.py). A request th
 reuses the target's cached prefix (Model.sync keeps the common prefix). Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /health. Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
+GET /v1/models/{id}, GET /health. Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
 and name the request's JSON fields.
 """
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -257,15 +257,21 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
 
 def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
           queue_size: int = DEFAULT_QUEUE, max_body: int = DEFAULT_MAX_BODY,
-          log: Callable[[str], None] = S.stderr_note, config: ServerConfig | None = None, **more) -> None:
-    """`localspec serve`: bind, load the pair once, announce the URL, serve until Ctrl-C. `config` (or `more`:
-    ServerConfig fields such as allowed_hosts, cors_origins, max_k) holds the rest of the server's settings."""
+          log: Callable[[str], None] = S.stderr_note, allowed_hosts: Sequence[str] | str | None = None,
+          cors_origins: Sequence[str] | str = (), max_k: int | None = None, strict_model: bool = False,
+          config: ServerConfig | None = None) -> None:
+    """`localspec serve`: bind, load the pair once, announce the URL, serve until Ctrl-C. The keyword arguments are
+    ServerConfig's fields (see server/config.py); `config` gives the rest, overridden by them."""
     import uvicorn
 
     if Server is None:  # pragma: no cover
         raise LocalspecError("uvicorn is not installed: pip install uvicorn")
-    cfg = (config or ServerConfig()).replace(host=host, port=port, api_key=api_key, queue_size=queue_size,
-                                             max_body=max_body, **more).check()
+    changes: dict[str, Any] = dict(host=host, port=port, api_key=api_key, queue_size=queue_size, max_body=max_body)
+    for key, value, unset in (("allowed_hosts", allowed_hosts, None), ("cors_origins", cors_origins, ()),
+                              ("max_k", max_k, None), ("strict_model", strict_model, False)):
+        if value != unset:
+            changes[key] = value
+    cfg = (config or ServerConfig()).replace(**changes).check()
     S.parallel_slots()  # a bad LOCALSPEC_PARALLEL is a usage error now, not a 400 on every request
     session.check()
     sock = bind(cfg.host, cfg.port)
