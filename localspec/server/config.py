@@ -1,0 +1,80 @@
+"""The server's own settings, typed (uvicorn's style: the CLI's flags -> a `ServerConfig` -> the server). The
+generation settings (method, k, sampling ...) stay in the session; these say who may talk to the server and how
+much it takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from localspec.errors import UsageError
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8080
+DEFAULT_QUEUE = 8  # requests that may wait while one generates
+DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
+MAX_STOPS = 16
+POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
+ALIASES = ("localspec",)  # model names accepted besides the served model's id and its target file name
+ALLOWED_HOSTS_ENV = "LOCALSPEC_ALLOWED_HOSTS"
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # Host header names always accepted
+
+
+def split_list(raw: str | None) -> tuple[str, ...]:
+    """A comma-separated list (an environment variable) as a tuple of its non-empty, stripped items."""
+    return tuple(x.strip() for x in (raw or "").split(",") if x.strip())
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """What `localspec serve` needs besides the session.
+
+    allowed_hosts: Host header names accepted besides the bound host and loopback names ("*": any); None reads
+    LOCALSPEC_ALLOWED_HOSTS. cors_origins: browser origins allowed to call the API ("*": any; default none: a
+    request with an Origin header is refused). max_k: the largest per-request `localspec.k` (None: the session's
+    draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: Optional[str] = None
+    queue_size: int = DEFAULT_QUEUE
+    max_body: int = DEFAULT_MAX_BODY
+    allowed_hosts: Optional[tuple[str, ...]] = None
+    cors_origins: tuple[str, ...] = ()
+    max_k: Optional[int] = None
+    strict_model: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("allowed_hosts", "cors_origins"):  # a list or a comma-separated string is fine too
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, split_list(value))
+            elif value is not None:
+                object.__setattr__(self, name, tuple(value))
+
+    def check(self) -> "ServerConfig":
+        """Raise UsageError for a value the server cannot run with; returns self."""
+        if self.api_key is not None and self.api_key.strip() == "":
+            raise UsageError("the API key must not be empty")
+        if self.queue_size < 1:
+            raise UsageError(f"--queue must be >= 1, got {self.queue_size}")
+        if self.max_body < 1:
+            raise UsageError(f"body limit must be >= 1 byte, got {self.max_body}")
+        if not 0 <= self.port <= 65535:
+            raise UsageError(f"port must be between 0 and 65535, got {self.port}")
+        if self.max_k is not None and self.max_k < 1:
+            raise UsageError(f"max k must be >= 1, got {self.max_k}")
+        return self
+
+    def resolved(self, default_k: int) -> "ServerConfig":
+        """With the defaults that depend on the environment and the session filled in."""
+        hosts = self.allowed_hosts
+        if hosts is None:
+            hosts = split_list(os.environ.get(ALLOWED_HOSTS_ENV))
+        max_k = self.max_k if self.max_k is not None else max(1, int(default_k))
+        return dataclasses.replace(self, allowed_hosts=hosts, max_k=max_k)
+
+    def replace(self, **changes) -> "ServerConfig":
+        return dataclasses.replace(self, **changes)

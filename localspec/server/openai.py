@@ -1,0 +1,140 @@
+"""The OpenAI wire shapes: error objects, usage, localspec's per-response stats, server-sent events. Errors name
+the request's JSON fields (never a CLI flag): a setting error is worded with `json_field_of`."""
+
+from __future__ import annotations
+
+import json
+
+from fastapi.responses import JSONResponse
+
+from localspec.core.engine import GenConfig
+from localspec.errors import LocalspecError
+
+# settings a request can set -> the JSON field that sets them
+REQUEST_FIELDS = {
+    "draft_tokens": "localspec.k",
+    "method": "localspec.method",
+    "exactness": "localspec.exactness",
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "seed": "seed",
+}
+# settings no request sets, in words a client can act on
+OTHER_WORDS = {"draft": "none is loaded on this server", "ctx_size": "a server context size of"}
+
+
+def json_field_of(setting: str) -> str:
+    """How the API names a setting: its request field, or what it is on this server."""
+    return REQUEST_FIELDS.get(setting) or OTHER_WORDS.get(setting) or f"the server's {setting} setting"
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type_: str | None = None, headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def setting_error(exc: LocalspecError, status: int = 400, code: str | None = None) -> APIError:
+    """A domain error as an API error: the message in the API's words, param the first setting's JSON field."""
+    param = next((REQUEST_FIELDS[s] for s in exc.settings if s in REQUEST_FIELDS), None)
+    return APIError(status, exc.worded(json_field_of), param=param, code=code)
+
+
+def invalid(errors) -> APIError:
+    """One 400 from pydantic's validation errors: the first one's place and message."""
+    first = errors[0] if errors else {}
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    where = ".".join(loc)
+    msg = f"{where}: {first.get('msg', 'invalid value')}" if where else str(first.get("msg", "invalid request body"))
+    if len(errors) > 1:
+        msg += f" (and {len(errors) - 1} more)"
+    return APIError(400, msg, param=loc[0] if loc else None)
+
+
+def localspec_stats(stats, cfg: GenConfig) -> dict:
+    d = {
+        "tokens_per_second": stats.measured_rate(),  # the display also hides samples under 50 ms
+        "acceptance_rate": stats.acceptance_rate,
+        "tokens_per_pass": stats.tokens_per_pass,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "method": stats.main_method,
+        "requested_method": cfg.method,
+        "k": stats.k_cap,
+        "requested_k": cfg.k,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "target_passes": stats.target_passes,
+        "ttft_s": stats.ttft_s,
+        "elapsed_s": stats.elapsed_s,
+        "steps_by_method": dict(stats.method_used),
+    }
+    for key in ("exactness", "exactness_reason"):
+        value = getattr(stats, key, None)
+        if value is not None:
+            d[key] = value
+    if stats.reason:
+        d["controller"] = stats.reason
+    return d
+
+
+def usage(stats) -> dict:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
+    }
+
+
+def sse(obj) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"
+
+
+# ----------------------------------------------------------------- response bodies of the two endpoints
+def chat_chunk(name: str, cid: str, now: int, text, finish) -> dict:
+    delta = {} if finish else ({"role": "assistant", "content": ""} if text is None else {"content": text})
+    return {"id": f"chatcmpl-{cid}", "object": "chat.completion.chunk", "created": now, "model": name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_whole(name: str, cid: str, now: int, fin, cfg) -> dict:
+    return {"id": f"chatcmpl-{cid}", "object": "chat.completion", "created": now, "model": name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": fin.text},
+                         "logprobs": None, "finish_reason": fin.finish_reason}],
+            "usage": usage(fin.stats), "localspec": localspec_stats(fin.stats, cfg)}
+
+
+def completion_chunk(name: str, cid: str, now: int, text, finish) -> dict:
+    return {"id": f"cmpl-{cid}", "object": "text_completion", "created": now, "model": name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
+
+
+def completion_whole(name: str, cid: str, now: int, fin, cfg) -> dict:
+    return {"id": f"cmpl-{cid}", "object": "text_completion", "created": now, "model": name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "text": fin.text, "logprobs": None, "finish_reason": fin.finish_reason}],
+            "usage": usage(fin.stats), "localspec": localspec_stats(fin.stats, cfg)}

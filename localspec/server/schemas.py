@@ -1,0 +1,161 @@
+"""Request bodies (pydantic) and their checks beyond types: messages, prompt, stop strings. Every problem is an
+APIError 400 naming the JSON field."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from localspec.server.config import MAX_STOPS
+from localspec.server.openai import APIError, invalid
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # clients send fields we do not use (user, logit_bias ...)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class SpeculationOptions(BaseModel):
+    """localspec's own per-request options (the `localspec` field; `extra_body={"localspec": {...}}` in the openai
+    package): they override the server's settings for this request only."""
+    model_config = ConfigDict(extra="forbid")  # a misspelt option is an error, not silently the default
+    method: Optional[str] = None
+    k: Optional[int] = None
+    exactness: Optional[str] = None
+
+
+class Common(_Body):
+    localspec: Optional[SpeculationOptions] = None
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Any = None  # str or list of str: checked by hand for a clear message
+    stream: Optional[bool] = False
+    stream_options: Optional[StreamOptions] = None
+    n: Optional[int] = None
+    presence_penalty: Optional[float] = None  # range-checked as OpenAI does; not applied
+    frequency_penalty: Optional[float] = None
+
+
+class ChatMessage(_Body):
+    role: str
+    content: Any = None  # str, a list of text parts, or null (an assistant turn with tool calls)
+
+
+class ChatRequest(Common):
+    messages: list[ChatMessage]
+
+
+class CompletionRequest(Common):
+    prompt: Any  # str or a list of one str
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def chat_messages(req: ChatRequest) -> list[dict]:
+    if not req.messages:
+        raise APIError(400, "messages must hold at least one message", param="messages")
+    out = []
+    for i, m in enumerate(req.messages):
+        role = ROLES.get(m.role)
+        if role is None:
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user or assistant",
+                           param=f"messages[{i}].role")
+        c = m.content
+        if c is None:
+            text = ""
+        elif isinstance(c, str):
+            text = c
+        elif isinstance(c, list):
+            parts = []
+            for j, part in enumerate(c):
+                if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                    raise APIError(400, f"messages[{i}].content[{j}]: only text parts are supported",
+                                   param=f"messages[{i}].content")
+                parts.append(part["text"])
+            text = "\n".join(parts)
+        else:
+            raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
+                           param=f"messages[{i}].content")
+        out.append({"role": role, "content": text})
+    return out
+
+
+def completion_prompt(req: CompletionRequest) -> str:
+    p = req.prompt
+    if isinstance(p, list) and len(p) == 1:
+        p = p[0]
+    if isinstance(p, list):
+        raise APIError(400, "prompt must be a string or a list of one string (batches are not supported)", param="prompt")
+    if not isinstance(p, str):
+        raise APIError(400, "prompt must be a string", param="prompt")
+    if p == "":
+        raise APIError(400, "prompt is empty", param="prompt")
+    return p
+
+
+def stops(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise APIError(400, "stop must be a string or a list of strings", param="stop")
+    if len(value) > MAX_STOPS:
+        raise APIError(400, f"stop takes at most {MAX_STOPS} strings", param="stop")
+    return [s for s in value if s]
+
+
+def _surrogate_at(obj, where: str = "") -> str | None:
+    """The place (a JSON path) of the first string holding a lone surrogate (valid JSON, not valid Unicode)."""
+    if isinstance(obj, str):
+        try:
+            obj.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and _surrogate_at(key) is not None:
+            return where or "body"
+        sub = f"{where}[{key}]" if isinstance(key, int) else (f"{where}.{key}" if where else str(key))
+        found = _surrogate_at(value, sub)
+        if found is not None:
+            return found
+    return None
+
+
+async def parse_body(request: Request, model: type[BaseModel]):
+    """The JSON body as `model` (the guard has checked the Content-Type and the size)."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # "\ud800": JSON allows the escape, but it is no character; found before any work
+        try:
+            where = _surrogate_at(data) or "body"
+        except RecursionError:
+            where = "body"
+        raise APIError(400, f"{where}: a string holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not valid "
+                            "Unicode text", param=where.split(".")[0].split("[")[0], code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body is nested too deeply", code="invalid_json") from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid(exc.errors()) from None
