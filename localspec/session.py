@@ -193,16 +193,18 @@ class Session:
         validate({k: s.value for k, s in resolve_settings(self.flags, trial).items()})
         self.overrides = trial
 
-    def prepare(self) -> None:
+    def prepare(self, engine=None) -> None:
         """The one-time work before the first answer, done while the front end shows it is loading: the exactness
-        probe for the k in use (cached per model and build, seconds on a CPU)."""
+        probe for the k in use (cached per model and build, seconds on a CPU). `engine`: another than the
+        session's own (a chat's test loader)."""
+        engine = engine if engine is not None else self.engine
         v = self.values()
-        if self.engine is not None and v["method"] != "none":
-            self.engine.exact_k(gen_config(v).k)
+        if engine is not None and v["method"] != "none":
+            engine.exact_k(gen_config(v).k)
 
-    def notices(self) -> Iterator[str]:
+    def notices(self, engine=None) -> Iterator[str]:
         """What the user should be told once after loading, in plain words (each front end shows them its way)."""
-        engine = self.engine
+        engine = engine if engine is not None else self.engine
         if engine is None:
             return
         if engine.dropped_draft:

@@ -544,6 +544,7 @@ class ScriptedEngine:
         self.target = SimpleNamespace(name="scripted-target.gguf", n_gpu_layers=0, memory_bytes=lambda: 987 * 2**20)
         self.draft = SimpleNamespace(name="scripted-draft.gguf", memory_bytes=lambda: 123 * 2**20)
         self.dropped_draft = None
+        self.template_warning = None  # the notices the session reads after a load
         self.last_stats = None
 
     def exact_k(self, k):

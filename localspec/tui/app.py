@@ -141,8 +141,7 @@ class LocalspecApp(ChatHistory, App):
                 engine = self._loader(dict(self.s))
             else:
                 engine = self.session.load()
-            if (self.s.get("method") or D.METHOD) != "none":
-                engine.exact_k(self.current_k())  # the one-time exactness probe runs behind the loading indicator
+            self.session.prepare(engine)  # the one-time exactness probe runs behind the loading indicator
             with self._engine_lock:  # swap engines between generations, never under one
                 old, self.engine = self.engine, engine
                 if old is not None and old is not engine:
@@ -166,10 +165,8 @@ class LocalspecApp(ChatHistory, App):
         self.query_one(StatsPanel).set_memory(mem)
         self.query_one(Welcome).show(self.pair_name, self.engine.target.name,
                                      self.engine.draft.name if self.engine.draft is not None else None, loading=False)
-        if self.engine.dropped_draft:
-            self.notify(f"{self.engine.dropped_draft}; using prompt lookup", severity="warning")
-        if getattr(self.engine, "template_warning", None):
-            self.notify(self.engine.template_warning, severity="warning", timeout=10)
+        for note in self.session.notices(self.engine):
+            self.notify(note, severity="warning", timeout=10)
         self.refresh_header()
         if self.messages:
             self.warm_cache(self.chat_id, self.chat_messages())

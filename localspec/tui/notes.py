@@ -1,18 +1,10 @@
-"""What the chat says about an answer's speed: the line under an answer, /compare's verdict and the record the
-history keeps. Separate functions in one module, so that a shared report module can take them over."""
+"""What the chat says about an answer's speed: the line under an answer and the record the history keeps come
+from the shared report of a generation (core/report.py); /compare's verdict is the chat's own."""
 
 from __future__ import annotations
 
-from localspec.tui.widgets.stats_panel import rate_text
-
-
-def answer_note(st, show_timings: bool = True) -> str:
-    """The line under an answer, in plain words; a rate over too small a sample is a dash."""
-    parts = [f"{st.completion_tokens} tokens"]
-    if show_timings:
-        parts.append(f"{rate_text(st.rate())} tokens/s")
-    parts.append(f"{st.acceptance_rate:.0%} of drafts accepted" if st.drafted else "nothing drafted")
-    return " · ".join(parts)
+from localspec.core.report import answer_note, rate_text  # noqa: F401 - the line under an answer
+from localspec.core.report import history_record as stats_record  # noqa: F401 - what the history keeps
 
 
 def compare_note(plain, base, temperature: float, show_timings: bool = True) -> str:
@@ -31,9 +23,3 @@ def compare_note(plain, base, temperature: float, show_timings: bool = True) -> 
     if not show_timings:
         return f"compare: output {same}"
     return f"compare: {speeds}{ratio} · output {same}"
-
-
-def stats_record(st) -> dict:
-    """What the history keeps about an answer's speed."""
-    return {"tokens": st.completion_tokens, "tokens_per_second": st.rate(), "method": st.method,
-            "drafted": st.drafted, "accepted": st.accepted, "cached_prompt_tokens": st.cached_prompt_tokens}

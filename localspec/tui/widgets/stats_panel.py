@@ -10,17 +10,14 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Sparkline, Static
 
+from localspec.core.report import rate_text
+
 NBSP = "\u00a0"
 
 
 def _bar(frac: float, width: int = 12) -> str:
     n = int(round(max(0.0, min(1.0, frac)) * width))
     return "█" * n + "░" * (width - n)
-
-
-def rate_text(rate: float | None) -> str:
-    """A rate over too small a sample (Stats.rate() / recent_rate() gave None) is shown as a dash."""
-    return "—" if rate is None else f"{rate:.1f}"
 
 
 def method_text(stats) -> str:
