@@ -81,3 +81,16 @@ def test_an_answer_interrupted_before_its_first_step_still_renders():
     engine = SimpleNamespace(target=SimpleNamespace(name="t.gguf"), draft=None, dropped_draft=None)
     d = report.run_json(None, None, engine, cfg, interrupted=True, text="par")
     assert d["text"] == "par" and d["finish_reason"] == "interrupted" and d["completion_tokens"] == 0
+
+
+def test_the_front_ends_render_through_the_report():
+    """The server's usage and localspec objects and the chat's history record and answer line are the report's."""
+    from localspec.server import openai
+    from localspec.tui import notes
+
+    st = sample_stats()
+    cfg = GenConfig(method="auto", k=4)
+    assert openai.localspec_stats(st, cfg) == report.server_object(st, cfg)
+    assert openai.usage(st) == report.openai_usage(st)
+    assert notes.stats_record(st) == report.history_record(st)
+    assert notes.answer_note(st) == report.answer_note(st)

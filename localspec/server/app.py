@@ -278,14 +278,10 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
     stopped, app = False, None
     try:
         session.announce = session.announce or log
-        engine = session.load()
-        if engine.dropped_draft:
-            log(f"warning: {engine.dropped_draft}; using prompt lookup")
-        if engine.template_warning:
-            log(f"warning: {engine.template_warning}")
-        v = session.values()
-        if v["method"] != "none":
-            engine.exact_k(S.gen_config(v).k)  # the one-time exactness probe, before the first request
+        session.load()
+        for note in session.notices():
+            log(f"warning: {note}")
+        session.prepare()  # the one-time exactness probe, before the first request
         app = create_app(session, cfg, log=log)
         config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
                                 lifespan="on")

@@ -7,7 +7,7 @@ import json
 
 from fastapi.responses import JSONResponse
 
-from localspec.core.engine import GenConfig
+from localspec.core.report import openai_usage, server_object
 from localspec.errors import LocalspecError
 
 # settings a request can set -> the JSON field that sets them
@@ -69,39 +69,9 @@ def invalid(errors) -> APIError:
     return APIError(400, msg, param=loc[0] if loc else None)
 
 
-def localspec_stats(stats, cfg: GenConfig) -> dict:
-    d = {
-        "tokens_per_second": stats.measured_rate(),  # the display also hides samples under 50 ms
-        "acceptance_rate": stats.acceptance_rate,
-        "tokens_per_pass": stats.tokens_per_pass,
-        "mean_accepted_length": stats.mean_accepted_length,
-        "method": stats.main_method,
-        "requested_method": cfg.method,
-        "k": stats.k_cap,
-        "requested_k": cfg.k,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "target_passes": stats.target_passes,
-        "ttft_s": stats.ttft_s,
-        "elapsed_s": stats.elapsed_s,
-        "steps_by_method": dict(stats.method_used),
-    }
-    for key in ("exactness", "exactness_reason"):
-        value = getattr(stats, key, None)
-        if value is not None:
-            d[key] = value
-    if stats.reason:
-        d["controller"] = stats.reason
-    return d
-
-
-def usage(stats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "total_tokens": stats.prompt_tokens + stats.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": stats.cached_prompt_tokens},
-    }
+# the per-response figures come from the one report of a generation (core/report.py)
+localspec_stats = server_object
+usage = openai_usage
 
 
 def sse(obj) -> bytes:
