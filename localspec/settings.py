@@ -64,10 +64,37 @@ def coerce(key: str, value: Any, source: str) -> Any:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
             return int(value)
+        if key in _CHECKS:
+            _check(key, str(value), source)
         return str(value)
     except (TypeError, ValueError):
         kind = "true or false" if typ is bool else f"a {typ.__name__}"
         raise UsageError(f"{source}: {key} must be {kind}, got {value!r}") from None
+
+
+def _check(key: str, value: str, source: str) -> None:
+    """A per-setting check, as `run` applies it, so a stored value cannot fail every later run."""
+    from localspec.rpc import protocol
+
+    try:
+        _CHECKS[key](protocol)(value)
+    except UsageError as exc:
+        why = str(exc)
+        for flag in ("--rpc", "--tensor-split"):
+            why = why.replace(f"{flag}: ", "").replace(flag, key)
+        raise UsageError(f"{source}: {key} {value!r}: {why}") from None
+
+
+_CHECKS = {"rpc": lambda p: p.parse_servers, "tensor_split": lambda p: p.parse_tensor_split}
+
+
+def tuned_results() -> dict:
+    """Stored tune results ({model key: {setting: value}}) from the config file's [tuned] table. A broken entry
+    is ignored (a `tuned` that is not a table, an entry that is not one), as the README promises."""
+    tuned = load_toml(config_file()).get("tuned")
+    if not isinstance(tuned, dict):
+        return {}
+    return {k: v for k, v in tuned.items() if isinstance(v, dict)}
 
 
 @dataclass

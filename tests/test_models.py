@@ -33,7 +33,10 @@ def spec(name, **kw):
     return FileSpec(repo="test/tiny", file=name, **kw)
 
 
-def test_download_from_hub_verified_and_cached(hub, target_path, capsys):
+def test_download_from_hub_verified_and_cached(hub, target_path, capsys, monkeypatch):
+    from localspec.cli.progress import rich_progress
+
+    monkeypatch.setattr(download, "progress_factory", rich_progress)  # the CLI's renderer (cli/progress.py installs it)
     p = download.ensure(spec("target.gguf", sha256=hub.sha["target"]))
     assert p.read_bytes() == target_path.read_bytes()
     assert str(p).startswith(os.environ["HF_HOME"])  # the standard HF cache

@@ -18,7 +18,7 @@ import zipfile
 from pathlib import Path
 
 from localspec.store.cachefile import cache_dir, file_lock, read_json, update_json
-from localspec.errors import DownloadError
+from localspec.errors import DownloadError, UsageError
 from localspec.models.spec import FileSpec
 
 
@@ -43,8 +43,41 @@ def offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+def mirrors_dir() -> Path:
+    return cache_dir() / "mirrors"
+
+
+def contained(path: Path, root: Path) -> Path:
+    """`path` when it lies inside `root` (its folders resolved, symlinks followed; the last part itself is not
+    followed, so a link inside is inside), else a UsageError. Every path localspec derives from a model name and
+    every file it deletes passes here: nothing outside its own cache folders is ever written or removed."""
+    path, root = Path(path), Path(root)
+    if path.name in ("", ".", ".."):
+        raise UsageError(f"refusing to use {path}: not a file inside {root}")
+    try:
+        where = path.parent.resolve() / path.name
+        inside = where.is_relative_to(root.resolve())
+    except (OSError, RuntimeError, ValueError):  # a link loop, a NUL byte
+        inside = False
+    if not inside:
+        raise UsageError(f"refusing to use {path}: it is outside localspec's cache folder {root}")
+    return path
+
+
 def mirror_path(spec: FileSpec) -> Path:
-    return cache_dir() / "mirrors" / (spec.repo or "local") / (spec.file or "model.gguf")
+    root = mirrors_dir()
+    return contained(root / (spec.repo or "local") / (spec.file or "model.gguf"), root)
+
+
+def _in_hub_cache(p: Path) -> bool:
+    """A cache entry (the snapshot link and the blob it points to) inside the HF cache."""
+    root = Path(hf_cache())
+    try:
+        contained(p, root)
+        contained(p.resolve(), root)
+        return True
+    except (UsageError, OSError, RuntimeError):
+        return False
 
 
 # ------------------------------------------------------------------ checksums
@@ -89,7 +122,7 @@ def local_path(spec: FileSpec) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
 
         hit = try_to_load_from_cache(spec.repo, spec.file, revision=spec.revision, cache_dir=hf_cache())
-        if isinstance(hit, str) and Path(hit).is_file():
+        if isinstance(hit, str) and Path(hit).is_file() and _in_hub_cache(Path(hit)):
             return Path(hit)
     except Exception:  # a malformed repo id or cache: treat as a miss
         pass
@@ -218,9 +251,12 @@ def _from_hub(spec: FileSpec, *, quiet: bool) -> Path:
     meta = get_hf_file_metadata(url)
     if not meta.commit_hash or not meta.etag:
         raise RuntimeError("the hub did not say which commit/etag this file has")
-    repo_dir = Path(hf_cache()) / f"models--{spec.repo.replace('/', '--')}"
-    blob = repo_dir / "blobs" / meta.etag
-    snap = repo_dir / "snapshots" / meta.commit_hash / spec.file
+    root = Path(hf_cache())
+    repo_dir = root / f"models--{spec.repo.replace('/', '--')}"
+    if not re.fullmatch(r"[0-9A-Za-z._-]+", meta.etag) or not re.fullmatch(r"[0-9a-fA-F]{6,64}", meta.commit_hash):
+        raise DownloadError(f"the hub sent a malformed etag or commit for {spec.label}")
+    blob = contained(repo_dir / "blobs" / meta.etag, root)
+    snap = contained(repo_dir / "snapshots" / meta.commit_hash / spec.file, root)
     expected = spec.sha256 or (meta.etag if re.fullmatch(r"[0-9a-f]{64}", meta.etag) else None)
     if not blob.exists():
         blob.parent.mkdir(parents=True, exist_ok=True)
@@ -240,7 +276,7 @@ def _from_hub(spec: FileSpec, *, quiet: bool) -> Path:
         snap.symlink_to(os.path.relpath(blob, snap.parent))
     rev = spec.revision or "main"
     if rev != meta.commit_hash:
-        ref = repo_dir / "refs" / rev
+        ref = contained(repo_dir / "refs" / rev, root)
         ref.parent.mkdir(parents=True, exist_ok=True)
         ref.write_text(meta.commit_hash)
     if not verify(snap, expected):
@@ -369,24 +405,28 @@ def _from_mirror(spec: FileSpec, m: dict, *, quiet: bool) -> Path:
 
 
 def remove(spec: FileSpec) -> list[Path]:
-    """Delete the local copies of a file (hub cache blob + snapshot link, mirror copy, partials)."""
+    """Delete the local copies of a file (hub cache blob + snapshot link, mirror copy, partials). Only files inside
+    localspec's cache folders are deleted (contained()); a link's target outside them is left alone."""
     removed = []
     if spec.path:
         return removed  # a user's own file is never deleted
+    hub_root, mirrors = Path(hf_cache()), mirrors_dir()
+    m = mirror_path(spec)  # a UsageError when the name would reach outside the cache
     candidates = []
     p = local_path(spec)
-    if p is not None:
-        candidates.append(p)
-    m = mirror_path(spec)
-    candidates += [m, m.with_name(m.name + ".part"), m.with_name(m.name + ".part.json")]
-    for c in candidates:
+    if p is not None and p != m:
+        candidates.append((p, hub_root))
+    for c in (m, m.with_name(m.name + ".part"), m.with_name(m.name + ".part.json")):
+        candidates.append((c, mirrors))
+    for c, root in candidates:
+        contained(c, root)
         if c.is_symlink():
             target = c.resolve()
             c.unlink()
             removed.append(c)
-            if target.exists():
-                target.unlink()
-        elif c.exists():
+            if target.is_file() and _in_hub_cache(target):
+                contained(target, hub_root).unlink()
+        elif c.is_file():
             c.unlink()
             removed.append(c)
     return removed

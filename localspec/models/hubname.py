@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec.errors import DownloadError, UsageError
-from localspec.models.spec import FileSpec
+from localspec.models.spec import FileSpec, check_gguf_file, check_relpath, check_repo
 
 DEFAULT_QUANT = "Q4_K_M"
 _PREFIXES = ("hf://", "https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "http://hf.co/",
@@ -57,7 +57,9 @@ def is_hub_name(s: str) -> bool:
 
 def parse(s: str) -> HubName | None:
     """The hub name `s` spells, or None when it is not written as one. A prefixed (hf://, hf.co/) but malformed
-    name is a UsageError. A bare `A/B` is a repo; a bare name with more slashes or ending in .gguf is a path."""
+    name is a UsageError, and so is a repo, file or revision the hub would refuse (`..`, absolute parts,
+    backslashes, control characters: see spec.check_relpath). A bare `A/B` is a repo; a bare name with more
+    slashes or ending in .gguf is a path."""
     s = s.strip()
     low = s.lower()
     prefix = next((p for p in _PREFIXES if low.startswith(p)), None)
@@ -65,14 +67,19 @@ def parse(s: str) -> HubName | None:
         if s.count("/") != 1 or low.endswith(".gguf"):
             return None
         m = _REPO_FORM.match(s)
-        return HubName(m.group(1), quant=m.group(2), revision=m.group(3)) if m else None
+        if not m:
+            return None
+        try:
+            return _checked(HubName(m.group(1), quant=m.group(2), revision=m.group(3)))
+        except UsageError:
+            return None  # not a name the hub could have: a path or a pair name
     rest = s[len(prefix):].strip("/")
     parts = rest.split("/")
     if len(parts) <= 2:
         m = _REPO_FORM.match(rest)
         if not m:
             raise UsageError(f"expected {FORMS}, got {s!r}")
-        return HubName(m.group(1), quant=m.group(2), revision=m.group(3))
+        return _checked(HubName(m.group(1), quant=m.group(2), revision=m.group(3)))
     repo, path = "/".join(parts[:2]), parts[2:]
     rev = None
     if len(path) >= 3 and path[0] in ("resolve", "blob"):  # a pasted https://huggingface.co/O/R/blob/REV/F URL
@@ -83,7 +90,16 @@ def parse(s: str) -> HubName | None:
     file = file.split("?")[0]
     if not re.fullmatch(rf"{_PART}/{_PART}", repo) or not file or not rev and rev is not None:
         raise UsageError(f"expected {FORMS}, got {s!r}")
-    return HubName(repo, file=file, revision=rev or None)
+    return _checked(HubName(repo, file=file, revision=rev or None))
+
+
+def _checked(h: HubName) -> HubName:
+    check_repo(h.repo)
+    if h.file is not None:
+        check_relpath(h.file, "file")
+    if h.revision is not None:
+        check_relpath(h.revision, "revision")
+    return h
 
 
 def quant_of(filename: str) -> str | None:
@@ -210,6 +226,7 @@ def file_spec(s: str):
 
     p = Path(s).expanduser()
     if p.is_file():
+        check_gguf_file(p, s)
         return FileSpec(path=str(p.resolve()))
     h = parse(s)
     return resolve(h) if h is not None else FileSpec.parse(s)
@@ -253,6 +270,10 @@ def cached_models() -> list[tuple[str, object]]:
                 short = q is not None and f.revision is None and pick(files, repo, q).path == f.path
             except UsageError:
                 short = False
+            try:
+                spec = FileSpec(repo=repo, file=f.path, revision=f.revision, size=f.size)
+            except UsageError:
+                continue  # a cache folder no hub name can reach (made by hand): not ours to list or delete
             name = f"{repo}:{q}" if short else str(HubName(repo, file=f.path, revision=f.revision))
-            out.append((name, FileSpec(repo=repo, file=f.path, revision=f.revision, size=f.size)))
+            out.append((name, spec))
     return out

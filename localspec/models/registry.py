@@ -34,21 +34,53 @@ def user_pairs_file() -> Path:
     return config.config_dir() / "pairs.toml"
 
 
+def _int_field(d: dict, key: str, default: int, where: str) -> int:
+    v = d.get(key, default)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    try:
+        if isinstance(v, str) or (isinstance(v, float) and v.is_integer()):
+            return int(v)  # "4" and 4.0 were read as 4 before: still are
+    except ValueError:
+        pass
+    raise UsageError(f"{where}: {key} must be an integer, got {v!r}")
+
+
 def _pairs_from(data: dict, source: str) -> dict[str, Pair]:
+    """The pairs of one file; a malformed entry is a UsageError naming the file, the pair and the key."""
     out = {}
-    for name, d in (data.get("pairs") or {}).items():
+    table = data.get("pairs") or {}
+    if not isinstance(table, dict):
+        raise UsageError(f"pairs in {source} must be a table of pairs, got {table!r}")
+    for name, d in table.items():
+        where = f"pair {name!r} in {source}"
+        if not isinstance(d, dict):
+            raise UsageError(f"{where} is malformed: expected a table, got {d!r}")
         try:
+            description = d.get("description", "")
+            if not isinstance(description, str):
+                raise UsageError(f"{where}: description must be a string, got {description!r}")
+            if "target" not in d:
+                raise UsageError(f"{where} is malformed: it has no target")
+            specs = {}
+            for role in ("target", "draft"):
+                if not d.get(role):
+                    continue
+                try:
+                    specs[role] = FileSpec.from_dict(d[role])
+                except (UsageError, TypeError) as exc:
+                    raise UsageError(f"{where}: {role}: {exc}") from None
             out[name] = Pair(
                 name=name,
-                description=d.get("description", ""),
-                target=FileSpec.from_dict(d["target"]),
-                draft=FileSpec.from_dict(d["draft"]) if d.get("draft") else None,
-                k=int(d.get("k", 4)),
-                ctx=int(d.get("ctx", D.CTX_SIZE)),
+                description=description,
+                target=specs["target"] if "target" in specs else FileSpec.from_dict(d["target"]),
+                draft=specs.get("draft"),
+                k=_int_field(d, "k", 4, where),
+                ctx=_int_field(d, "ctx", D.CTX_SIZE, where),
                 source=source,
             )
-        except (KeyError, TypeError) as exc:
-            raise UsageError(f"pair {name!r} in {source} is malformed: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise UsageError(f"{where} is malformed: {exc}") from None
     return out
 
 

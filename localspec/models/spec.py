@@ -1,11 +1,69 @@
-"""Where a model file comes from: a hub repo + file (with mirrors, sha256, size) or a local path."""
+"""Where a model file comes from: a hub repo + file (with mirrors, sha256, size) or a local path.
+
+Hub names are checked as the hub checks them wherever they enter (a FileSpec is made from a command line, from
+pairs.toml or models.toml, or from the cache): a repo is OWNER/NAME, a file or revision is a relative path of
+plain segments (no `..`, `.` or empty segments, no absolute part, no backslash, no control character), so nothing
+derived from them can name a file outside localspec's caches."""
 
 from __future__ import annotations
 
+import re
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localspec.errors import UsageError
+
+# huggingface_hub's validate_repo_id: word characters, '-', '.'; starts and ends with a word character; no '--'
+# or '..'; at most 96 characters
+_REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
+
+
+def _has_control(s: str) -> bool:
+    return any(unicodedata.category(c) == "Cc" for c in s)
+
+
+def check_repo(repo: str) -> str:
+    """`repo` when it is a valid OWNER/NAME hub repo id, else a UsageError."""
+    parts = repo.split("/") if isinstance(repo, str) else []
+    if (len(parts) != 2 or not all(_REPO_PART.fullmatch(p) for p in parts) or "--" in repo or ".." in repo
+            or len(repo) > 96):
+        raise UsageError(f"invalid hub repo {repo!r}: expected OWNER/NAME (letters, digits, '-', '_', '.'; "
+                         "no '--' or '..')")
+    return repo
+
+
+def check_relpath(value: str, what: str = "file") -> str:
+    """`value` when it is a relative path of plain segments, as the hub names files (and branches), else a
+    UsageError: no `..` or `.` segment, no empty segment, no absolute part, no backslash, no control character."""
+    why = None
+    if not isinstance(value, str) or not value:
+        why = "it is empty"
+    elif _has_control(value):
+        why = "it contains a control character"
+    elif "\\" in value:
+        why = "it contains a backslash"
+    elif value.startswith("/") or re.match(r"^[A-Za-z]:", value):
+        why = "it is an absolute path"
+    else:
+        segs = value.split("/")
+        if any(s in ("", ".", "..") for s in segs):
+            why = "a hub path has no '..', '.' or empty parts"
+    if why:
+        raise UsageError(f"invalid hub {what} name {value!r}: {why}")
+    return value
+
+
+def check_gguf_file(p: Path, shown: str | None = None) -> Path:
+    """`p` when it starts with the GGUF magic, else a UsageError (a pair's local file must be a model)."""
+    try:
+        with open(p, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        raise UsageError(f"cannot read {shown or p}: {exc.strerror or exc}") from None
+    if magic != b"GGUF":
+        raise UsageError(f"{shown or p} is not a GGUF model file (it does not start with the GGUF magic)")
+    return p
 
 
 @dataclass
@@ -18,9 +76,34 @@ class FileSpec:
     mirrors: list[dict] = field(default_factory=list)
     path: str | None = None  # a local file (user pairs)
 
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            if not isinstance(self.path, str) or not self.path or "\x00" in self.path:
+                raise UsageError(f"invalid model path {self.path!r}")
+            return
+        if self.repo is not None or self.file is not None:
+            if self.repo is None or self.file is None:
+                raise UsageError(f"a hub file needs both repo and file, got repo={self.repo!r} file={self.file!r}")
+            check_repo(self.repo)
+            check_relpath(self.file, "file")
+        if self.revision is not None:
+            check_relpath(self.revision, "revision")
+
     @classmethod
     def from_dict(cls, d: dict) -> "FileSpec":
-        return cls(**{k: d.get(k) for k in ("repo", "file", "revision", "sha256", "size", "path")}, mirrors=list(d.get("mirrors", [])))
+        if not isinstance(d, dict):
+            raise TypeError(f"expected a table, got {type(d).__name__}")
+        mirrors = d.get("mirrors", [])
+        if not isinstance(mirrors, list) or not all(isinstance(m, dict) for m in mirrors):
+            raise TypeError("mirrors must be a list of tables")
+        vals = {k: d.get(k) for k in ("repo", "file", "revision", "sha256", "path")}
+        for k, v in vals.items():
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"{k} must be a string, got {v!r}")
+        size = d.get("size")
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int)):
+            raise TypeError(f"size must be an integer, got {size!r}")
+        return cls(**vals, size=size, mirrors=list(mirrors))
 
     @classmethod
     def parse(cls, src: str) -> "FileSpec":
@@ -37,6 +120,7 @@ class FileSpec:
         p = Path(src).expanduser()
         if not p.is_file():
             raise UsageError(f"no such file: {src}")
+        check_gguf_file(p, src)
         return cls(path=str(p.resolve()))
 
     def to_dict(self) -> dict:

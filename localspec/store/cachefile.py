@@ -5,10 +5,12 @@ concurrent reader sees the old file or the new one, never half of one."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
 import re
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -23,8 +25,21 @@ def cache_dir() -> Path:
 
 
 def atomic_write(path: Path, data: str | bytes) -> None:
-    """Write `data` to `path` through a temporary file and a rename (the file is complete or absent)."""
+    """Write `data` to `path` through a temporary file and a rename (the file is complete or absent). Only a
+    regular file or a new path is written: a device node, pipe, socket or folder there is an OSError, never
+    replaced. A symlink is followed (its target is replaced, the link kept: a config file linked from a dotfiles
+    folder stays linked)."""
     path = Path(path)
+    if path.is_symlink():
+        path = Path(os.path.realpath(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        pass
+    else:
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise OSError(errno.EEXIST, f"{kind}: refusing to replace it (choose another path)", str(path))
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:

@@ -19,6 +19,7 @@ import os
 import sqlite3
 import threading
 import time
+import unicodedata
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,9 +68,41 @@ def db_path() -> Path:
     return data_dir() / "history.sqlite3"
 
 
+def clean_title(text: str) -> str:
+    """One line without control characters (ESC, BEL, C1 controls such as CSI): a title is printed on terminals,
+    and a chat's first words must not be able to drive them."""
+    text = "".join(c if unicodedata.category(c) != "Cc" else " " for c in text)
+    return " ".join(text.split())
+
+
 def title_from(text: str) -> str:
-    line = " ".join(text.split())
+    line = clean_title(text)
     return line if len(line) <= TITLE_CHARS else line[: TITLE_CHARS - 1].rstrip() + "…"
+
+
+MAX_ID = 2 ** 63 - 1  # SQLite's INTEGER
+
+
+def _no_chat(chat_id) -> UsageError:
+    return UsageError(f"no chat {chat_id} in the history (`localspec history list` shows them)")
+
+
+def _check_id(chat_id: int) -> int:
+    """A chat id SQLite can hold; any other number names no chat (not an OverflowError)."""
+    if isinstance(chat_id, bool) or not isinstance(chat_id, int) or not -MAX_ID - 1 <= chat_id <= MAX_ID:
+        raise _no_chat(chat_id)
+    return chat_id
+
+
+def _stats(raw) -> dict | None:
+    """A message's stored stats, or None when the row is damaged (the message itself is kept)."""
+    if not raw:
+        return None
+    try:
+        v = json.loads(raw)
+    except (TypeError, ValueError):
+        return None
+    return v if isinstance(v, dict) else None
 
 
 @dataclass
@@ -114,16 +147,29 @@ class History:
     """The history database. Thread-safe: one connection, guarded by a lock (an abort handler may flush from
     another thread while the UI thread writes)."""
 
-    def __init__(self, path: Path | None = None) -> None:
+    def __init__(self, path: Path | None = None, readonly: bool | None = None) -> None:
+        """`readonly`: open for reading only (list, show, export); None: when the database or its folder cannot
+        be written (a read-only data dir), else read-write."""
         self.path = Path(path) if path is not None else db_path()
         self._db = None
+        if readonly is None:
+            readonly = str(self.path) != ":memory:" and self.path.is_file() and not (
+                os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
+        self.readonly = readonly
         deadline = time.monotonic() + BUSY_TIMEOUT_S
         pause = 0.02
         while True:
             try:
-                self._open()
+                self._open_readonly() if self.readonly else self._open()
                 break
             except sqlite3.OperationalError as exc:
+                if not self.readonly and "readonly" in str(exc) and self.path.is_file():
+                    # a read-only file system (root passes os.access): reads still work
+                    if self._db is not None:
+                        self._db.close()
+                        self._db = None
+                    self.readonly = True
+                    continue
                 # another process is creating the file or switching it to WAL: SQLite can answer "locked" at once
                 # there instead of waiting on the busy timeout, so wait and open again
                 if self._db is not None:
@@ -159,6 +205,32 @@ class History:
                     if stmt.strip():
                         self._db.execute(stmt)
             self._db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _open_readonly(self) -> None:
+        """A read-only connection: nothing is created or migrated. In a folder that cannot be written SQLite
+        cannot make WAL's shared-memory file, so the database is then read as immutable (no other writer can
+        exist there)."""
+        from urllib.parse import quote
+
+        uri = "file:" + quote(str(self.path.resolve()))
+        last: Exception | None = None
+        for mode in ("?mode=ro", "?mode=ro&immutable=1"):
+            try:
+                self._db = sqlite3.connect(uri + mode, uri=True, timeout=BUSY_TIMEOUT_S, check_same_thread=False,
+                                           isolation_level=None)
+                self._db.row_factory = sqlite3.Row
+                version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                self._db.execute("SELECT 1 FROM chats LIMIT 1").fetchall()
+                break
+            except sqlite3.OperationalError as exc:
+                last = exc
+                if self._db is not None:
+                    self._db.close()
+                    self._db = None
+        else:
+            raise last
+        if version > SCHEMA_VERSION:
+            raise UsageError(f"history database {self.path} is from a newer localspec (schema {version})")
 
     # ------------------------------------------------------------ plumbing
     class _Tx:
@@ -206,13 +278,15 @@ class History:
         self._write("UPDATE chats SET model = ?, system = ? WHERE id = ?", (model, system, chat_id))
 
     def rename(self, chat_id: int, title: str) -> None:
-        title = " ".join(title.split())
+        _check_id(chat_id)
+        title = clean_title(title)
         if not title:
             raise UsageError("a chat title cannot be empty")
         if self._write("UPDATE chats SET title = ? WHERE id = ?", (title, chat_id)).rowcount == 0:
             raise UsageError(f"no chat {chat_id} in the history")
 
     def delete(self, chat_id: int) -> None:
+        _check_id(chat_id)
         if self._write("DELETE FROM chats WHERE id = ?", (chat_id,)).rowcount == 0:
             raise UsageError(f"no chat {chat_id} in the history")
 
@@ -221,21 +295,23 @@ class History:
         rows = self._read(
             "SELECT c.*, (SELECT COUNT(*) FROM messages m WHERE m.chat_id = c.id) AS n FROM chats c "
             "ORDER BY c.updated DESC, c.id DESC" + (f" LIMIT {int(limit)}" if limit else ""))
-        return [Chat(r["id"], r["title"], r["model"], r["system"], r["created"], r["updated"], r["n"]) for r in rows]
+        return [Chat(r["id"], clean_title(r["title"] or ""), r["model"], r["system"], r["created"], r["updated"], r["n"])
+                for r in rows]
 
     def latest(self) -> int | None:
         rows = self._read("SELECT id FROM chats ORDER BY updated DESC, id DESC LIMIT 1")
         return rows[0]["id"] if rows else None
 
     def get(self, chat_id: int) -> Chat:
+        _check_id(chat_id)
         rows = self._read("SELECT * FROM chats WHERE id = ?", (chat_id,))
         if not rows:
-            raise UsageError(f"no chat {chat_id} in the history (`localspec history list` shows them)")
+            raise _no_chat(chat_id)
         r = rows[0]
-        msgs = [{"role": m["role"], "content": m["content"], "state": m["state"],
-                 "stats": json.loads(m["stats"]) if m["stats"] else None}
+        msgs = [{"role": m["role"], "content": m["content"], "state": m["state"], "stats": _stats(m["stats"])}
                 for m in self._read("SELECT * FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,))]
-        return Chat(r["id"], r["title"], r["model"], r["system"], r["created"], r["updated"], len(msgs), msgs)
+        return Chat(r["id"], clean_title(r["title"] or ""), r["model"], r["system"], r["created"], r["updated"],
+                    len(msgs), msgs)
 
     def interrupted(self) -> list[Chat]:
         """Chats whose answer was still streaming when its process died (newest first)."""
@@ -246,6 +322,7 @@ class History:
     def mark_interrupted(self, chat_id: int) -> None:
         """The user was told about this chat's crashed answers: they are not offered again. An answer another
         live process is still writing is left alone."""
+        _check_id(chat_id)
         rows = self._read("SELECT id, pid FROM messages WHERE chat_id = ? AND state = 'streaming'", (chat_id,))
         for r in rows:
             if not _pid_alive(r["pid"]):
