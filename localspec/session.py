@@ -39,7 +39,7 @@ TUNED_KEYS = {"method": "method", "k": "draft_tokens", "p_min": "p_min"}
 
 
 def tuned_results() -> dict:
-    return config.load_toml(config.config_file()).get("tuned") or {}
+    return config.tuned_results()  # a broken [tuned] table or entry is ignored (settings.py)
 
 
 def pair_for(model: str | None):

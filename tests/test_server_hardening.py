@@ -147,11 +147,14 @@ def test_method_draft_without_a_draft_names_the_field(target_path, tmp_path):
     from localspec.server.config import ServerConfig
     from localspec.session import Session
 
-    with Session({"model": str(target_path), "method": "none"}, quiet=True) as sess, \
-            serving(sess, ServerConfig()) as s:
-        status, _, data = post(s, "/v1/completions", {"prompt": "hi", "localspec": {"method": "draft"}})
-        assert status == 400 and data["error"]["param"] == "localspec.method", data
-        assert "draft model" in data["error"]["message"] and not FLAG.search(data["error"]["message"])
+    sess = Session({"model": str(target_path), "method": "none"}, quiet=True)
+    try:
+        with serving(sess, ServerConfig()) as s:
+            status, _, data = post(s, "/v1/completions", {"prompt": "hi", "localspec": {"method": "draft"}})
+            assert status == 400 and data["error"]["param"] == "localspec.method", data
+            assert "draft model" in data["error"]["message"] and not FLAG.search(data["error"]["message"])
+    finally:
+        sess.close()
 
 
 # ----------------------------------------------------------------- web pages: Content-Type, Host, Origin, CORS

@@ -312,3 +312,12 @@ def test_header_reading_does_not_load_llama_cpp(target_path):
             f"assert compat.first_difference(v, v) is None; assert 'llama_cpp' not in sys.modules, 'loaded'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True)
     assert r.returncode == 0, r.stderr.decode()
+
+
+def test_a_broken_tuned_entry_is_ignored(tmp_path, monkeypatch):
+    """`tuned = "string"` in config.toml crashed every command (the README says a broken tune entry is ignored)."""
+    cfg = tmp_path / "config.toml"
+    cfg.write_text('tuned = "string"\nmethod = "lookup"\n')
+    monkeypatch.setenv("LOCALSPEC_CONFIG", str(cfg))
+    s = resolve_settings({})
+    assert s["method"].value == "lookup" and s["draft_tokens"].source == "pair qwen2.5-coder-1.5b"
