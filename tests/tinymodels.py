@@ -139,9 +139,10 @@ def _common_header(wr, seed, n_ctx_train, chat_template, tokens, scores, types):
         wr.add_chat_template(chat_template)
 
 
-def _output(rng, emb, n_vocab, n_embd, bigram):
+def _output(rng, emb, n_vocab, n_embd, bigram, scale=1.0):
     out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
     out += emb[rng.permutation(n_vocab)] * bigram
+    out *= scale
     out[[0, 1, 2, 3, 4]] = 0.0  # end-of-generation tokens never win
     return out.astype(np.float16)
 
@@ -155,9 +156,11 @@ def _finish(wr, path):
 
 
 def write_lfm2(path: Path, seed: int, *, words=WORDS, n_embd=64, layers="cac", n_head=4, n_ff=128, l_cache=3,
-               layer_std=0.6, bigram=0.5, n_ctx_train=2048, chat_template: str | None = CHATML) -> Path:
+               layer_std=0.6, bigram=0.5, out_scale=1.0, n_ctx_train=2048,
+               chat_template: str | None = CHATML) -> Path:
     """Random LFM2-style hybrid (llama.cpp arch `lfm2`): `layers` spells the stack, c = short convolution
-    (recurrent state), a = attention (KV cache). Same vocab and output trick as write_model."""
+    (recurrent state), a = attention (KV cache). Same vocab and output trick as write_model; out_scale < 1 spreads
+    the next-token distribution (sampling tests)."""
     import gguf
 
     tokens, scores, types = vocab(words)
@@ -200,7 +203,7 @@ def write_lfm2(path: Path, seed: int, *, words=WORDS, n_embd=64, layers="cac", n
         wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
         wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
     wr.add_tensor("token_embd_norm.weight", np.ones(n_embd, dtype=np.float32))
-    wr.add_tensor("output.weight", _output(rng, emb, n_vocab, n_embd, bigram))
+    wr.add_tensor("output.weight", _output(rng, emb, n_vocab, n_embd, bigram, out_scale))
     return _finish(wr, path)
 
 
