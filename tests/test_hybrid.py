@@ -345,3 +345,20 @@ def test_the_probe_is_cancellable(target_path, tmp_path, monkeypatch):
         assert e._probe is None  # not cached: the next request probes
     finally:
         e.close()
+
+
+def test_a_prefilled_prompt_is_not_replayed(recurrent):
+    """sync() saves the recurrent state before a context's last token: generating from a prefilled prompt (a reopened
+    chat) restores it instead of decoding the whole prompt again, and the answer is unchanged."""
+    path, kind = recurrent
+    e = Engine.load(path, None, n_ctx=CTX, threads=1)
+    try:
+        prompt = e.raw_prompt(PROMPTS[3])
+        fresh = e.complete(prompt, GenConfig(method="none", max_tokens=20))
+        e.target.clear()
+        assert e.prefill(prompt) == len(prompt)
+        r = e.complete(prompt, GenConfig(method="none", max_tokens=20))
+        assert r.tokens == fresh.tokens and r.stats.cached_prompt_tokens == len(prompt) - 1
+        assert r.stats.restores + r.stats.rs_rollbacks == 1 and r.stats.replayed_tokens == 0
+    finally:
+        e.close()

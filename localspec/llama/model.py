@@ -511,7 +511,14 @@ class Model:
             common -= 1
         self.truncate(common)
         self.reused = common
-        return self.decode(context[common:], "last", copy=copy)[0]
+        rest = context[common:]
+        if len(rest) > 1 and self.rollback_kind in ("rs", "checkpoint"):
+            # a recurrent state cannot drop its last token: save it before the last one, so that the next sync of
+            # the same context (a prefilled prompt, a regenerated answer) restores here instead of replaying
+            self.decode(rest[:-1], [])
+            self.save_checkpoint()
+            rest = rest[-1:]
+        return self.decode(rest, "last", copy=copy)[0]
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
