@@ -1,5 +1,7 @@
 """The verify-cost calibration that the adaptive controller starts from."""
 
+import threading
+
 import pytest
 
 
@@ -32,3 +34,55 @@ def test_the_engine_reads_the_calibration_once(target_path, tmp_path, monkeypatc
     finally:
         e.close()
     assert calls == [4]
+
+
+def test_one_exactness_probe_per_model(target_path, monkeypatch):
+    """Issue 19 item 6: the probe runs once (batches up to max(k + 1, 9)); smaller k are derived from it, a larger
+    k re-probes once."""
+    import localspec.core.exactness as ex
+    from localspec.core.engine import Engine, GenConfig
+
+    calls = []
+    monkeypatch.setattr(ex, "max_exact_batch", lambda model, upto, **kw: calls.append(upto) or min(4, upto))
+    e = Engine.load(target_path, None, n_ctx=512, threads=1)
+    try:
+        assert e.exact_k(8) == 3 and calls == [9]
+        assert e.exact_k(2) == 2 and e.exact_k(5) == 3 and e.exact_k(1) == 1 and calls == [9]
+        assert e.exact_k(12) == 3 and calls == [9, 13]
+        assert e.exact_k(6) == 3 and calls == [9, 13]
+    finally:
+        e.close()
+
+
+def test_the_probe_is_cancellable(target_path, tmp_path, monkeypatch):
+    """A set cancel event stops the probe between decodes: nothing is cached, the generation ends "cancelled"."""
+    import localspec.core.exactness as ex
+    from localspec.core.engine import Engine, GenConfig
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
+    decodes = []
+    ev = threading.Event()
+    e = Engine.load(target_path, None, n_ctx=512, threads=1)
+    try:
+        real = e.target.decode
+
+        def counting(*a, **kw):
+            decodes.append(1)
+            if len(decodes) == 3:
+                ev.set()  # the user gives up while the probe runs
+            return real(*a, **kw)
+
+        monkeypatch.setattr(e.target, "decode", counting)
+        with pytest.raises(ex.ProbeCancelled):
+            ex.max_exact_batch(e.target, 9, cancel=ev)
+        assert len(decodes) < 6 and not (tmp_path / ex.CACHE_FILE).exists()
+        decodes.clear()
+        ev.clear()
+        fin = None
+        for item in e.generate(e.raw_prompt("the cat"), GenConfig(method="lookup", k=8, max_tokens=20,
+                                                                  exactness="bit"), cancel=ev):
+            fin = item
+        assert fin.finish_reason == "cancelled" and fin.stats.drafted == 0
+        assert e._probe is None  # not cached: the next request probes
+    finally:
+        e.close()

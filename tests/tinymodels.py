@@ -120,3 +120,133 @@ def greedy_margins(model, prompt_tokens, n_tokens):
         logits = model.decode([t], "last")[0]
     model.clear()
     return out, margin
+
+
+def _common_header(wr, seed, n_ctx_train, chat_template, tokens, scores, types):
+    wr.add_name(f"tiny-{seed}")
+    wr.add_context_length(n_ctx_train)
+    wr.add_file_type(1)  # mostly F16
+    wr.add_tokenizer_model("llama")
+    wr.add_token_list(tokens)
+    wr.add_token_scores(scores)
+    wr.add_token_types(types)
+    wr.add_unk_token_id(0)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+    wr.add_add_bos_token(True)
+    wr.add_add_eos_token(False)
+    if chat_template is not None:
+        wr.add_chat_template(chat_template)
+
+
+def _output(rng, emb, n_vocab, n_embd, bigram, scale=1.0):
+    out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+    out += emb[rng.permutation(n_vocab)] * bigram
+    out *= scale
+    out[[0, 1, 2, 3, 4]] = 0.0  # end-of-generation tokens never win
+    return out.astype(np.float16)
+
+
+def _finish(wr, path):
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+def write_lfm2(path: Path, seed: int, *, words=WORDS, n_embd=64, layers="cac", n_head=4, n_ff=128, l_cache=3,
+               layer_std=0.6, bigram=0.5, out_scale=1.0, n_ctx_train=2048,
+               chat_template: str | None = CHATML) -> Path:
+    """Random LFM2-style hybrid (llama.cpp arch `lfm2`): `layers` spells the stack, c = short convolution
+    (recurrent state), a = attention (KV cache). Same vocab and output trick as write_model; out_scale < 1 spreads
+    the next-token distribution (sampling tests)."""
+    import gguf
+
+    tokens, scores, types = vocab(words)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    def w(*shape, std=layer_std):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), "lfm2")
+    _common_header(wr, seed, n_ctx_train, chat_template, tokens, scores, types)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(len(layers))
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv([n_head if c == "a" else 0 for c in layers])
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("lfm2.shortconv.l_cache", l_cache)
+    emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i, kind in enumerate(layers):
+        p = f"blk.{i}."
+        wr.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        if kind == "a":
+            wr.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+            wr.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+            wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
+            wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+            wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+            wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd))
+        else:
+            wr.add_tensor(p + "shortconv.conv.weight",
+                          (rng.standard_normal((n_embd, l_cache)) / np.sqrt(l_cache)).astype(np.float32))
+            wr.add_tensor(p + "shortconv.in_proj.weight", w(3 * n_embd, n_embd))
+            wr.add_tensor(p + "shortconv.out_proj.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff))
+    wr.add_tensor("token_embd_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor("output.weight", _output(rng, emb, n_vocab, n_embd, bigram, out_scale))
+    return _finish(wr, path)
+
+
+def write_mamba(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, d_state=8, d_conv=4, dt_rank=4,
+                layer_std=0.6, bigram=0.5, n_ctx_train=2048, chat_template: str | None = CHATML) -> Path:
+    """Random Mamba-1 (llama.cpp arch `mamba`; purely recurrent, no KV cache)."""
+    import gguf
+
+    tokens, scores, types = vocab(words)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    d_inner = 2 * n_embd
+
+    def w(*shape, std=layer_std):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), "mamba")
+    _common_header(wr, seed, n_ctx_train, chat_template, tokens, scores, types)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_layer)
+    wr.add_feed_forward_length(0)
+    wr.add_head_count(0)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("mamba.ssm.conv_kernel", d_conv)
+    wr.add_uint32("mamba.ssm.inner_size", d_inner)
+    wr.add_uint32("mamba.ssm.state_size", d_state)
+    wr.add_uint32("mamba.ssm.time_step_rank", dt_rank)
+    emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        wr.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "ssm_in.weight", w(2 * d_inner, n_embd))
+        wr.add_tensor(p + "ssm_conv1d.weight",
+                      (rng.standard_normal((d_inner, d_conv)) / np.sqrt(d_conv)).astype(np.float32))
+        wr.add_tensor(p + "ssm_conv1d.bias", np.zeros(d_inner, dtype=np.float32))
+        wr.add_tensor(p + "ssm_x.weight", w(dt_rank + 2 * d_state, d_inner))
+        wr.add_tensor(p + "ssm_dt.weight", w(d_inner, dt_rank))
+        wr.add_tensor(p + "ssm_dt.bias", np.full(d_inner, -2.0, dtype=np.float32))
+        a = -np.tile(np.arange(1, d_state + 1, dtype=np.float32), (d_inner, 1))  # S4D-real init, as A = -exp(A_log)
+        wr.add_tensor(p + "ssm_a", a)
+        wr.add_tensor(p + "ssm_d", np.ones(d_inner, dtype=np.float32))
+        wr.add_tensor(p + "ssm_out.weight", w(n_embd, d_inner))
+    wr.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor("output.weight", _output(rng, emb, n_vocab, n_embd, bigram))
+    return _finish(wr, path)

@@ -136,7 +136,7 @@ class Engine:
         self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
-        self._exact: dict[int, int] = {}
+        self._probe: tuple[int, int] | None = None  # (upto, exact batch): one exactness probe per target
         self._costs: dict[int, float] = {}  # the verify-cost calibration, once read (not a file read per answer)
         self.last_stats: Stats | None = None
         self._assembler: TextAssembler | None = None
@@ -240,6 +240,7 @@ class Engine:
             return 0
         self.target.sync(prompt)
         decoded = len(prompt) - self.target.reused
+        self._after_decode(*getattr(self.target, "last_replay", ((), 0)))
         self._after_decode(prompt[self.target.reused:], self.target.reused)
         if self.draft is not None and len(prompt) < self.draft.n_ctx:
             self.draft.sync(prompt)
@@ -269,7 +270,7 @@ class Engine:
         out: dict[str, Drafter] = {}
         if method in ("auto", "lookup"):
             out["lookup"] = self.lookup_drafter(cfg)
-        if method in ("auto", "draft") and self.draft is not None:
+        if method in ("auto", "draft") and self.draft is not None and _can_rollback(self.draft):
             out["draft"] = self.draft_drafter(cfg)
         return out
 
@@ -296,22 +297,29 @@ class Engine:
             self._costs = verify_costs(self.target, upto)
         return self._costs
 
-    def exact_k(self, k: int) -> int:
-        """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding."""
+    def exact_k(self, k: int, cancel: threading.Event | None = None) -> int:
+        """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding.
+        One probe per target (batches up to max(k + 1, PROBE_MIN_UPTO)); a smaller k is derived from it (batches
+        1..B exact among those measured up to N: min(B, u) for any u <= N), a larger one re-probes. `cancel` stops
+        a probe between decodes (exactness.ProbeCancelled; nothing is cached)."""
         if k <= 0:
             return 0
-        if k not in self._exact:
-            from localspec.core.exactness import max_exact_batch
+        if self._probe is None or k + 1 > self._probe[0]:
+            from localspec.core import exactness as X
 
-            self._exact[k] = min(k, max_exact_batch(self.target, k + 1) - 1)
-        return self._exact[k]
+            upto = max(k + 1, X.PROBE_MIN_UPTO)
+            kw = {"cancel": cancel} if cancel is not None else {}
+            self._probe = (upto, int(X.max_exact_batch(self.target, upto, **kw)))
+        return min(k, self._probe[1] - 1)
 
-    def exactness_for(self, cfg: GenConfig) -> tuple[int, str, str]:
+    def exactness_for(self, cfg: GenConfig, cancel: threading.Event | None = None) -> tuple[int, str, str]:
         """(k, level, reason): the k to speculate with under cfg.exactness, the level in use (bit | lossless)
         and why, in plain words."""
         k = cfg.k
         if self.resolve_method(cfg) == "none" or k <= 0:
             return 0, "bit", "bit: plain decoding (no verify batches)"
+        if self.rollback_notice(cfg):
+            return 0, "bit", "bit: plain decoding (the model cannot roll back rejected tokens)"
         level = cfg.exactness
         if level == "auto" and _env_allows_inexact():
             return k, "lossless", ("lossless: LOCALSPEC_ALLOW_INEXACT is set, so k is uncapped; "
@@ -319,7 +327,7 @@ class Engine:
         if level == "lossless":
             return k, "lossless", ("lossless: chosen, so k is uncapped; every token is the target's choice in the "
                                    "pass that emitted it, only float reduction order differs from one-token decoding")
-        cap = self.exact_k(k)
+        cap = self.exact_k(k, cancel)
         if level == "auto" and cap < min(AUTO_MIN_BIT_K, k):
             return k, "lossless", (f"lossless: bit-exact verify needs k <= {cap} on this backend, so k is uncapped; "
                                    "only float reduction order differs")
@@ -330,6 +338,20 @@ class Engine:
             return cap, "bit", (f"bit: k capped at {cap}; verify batches up to {cap + 1} rows are bit-identical to "
                                 "one-token decoding here, bigger ones are not")
         return cap, "bit", f"bit: verify batches up to {cap + 1} rows are bit-identical to one-token decoding here"
+
+    def rollback_notice(self, cfg: GenConfig) -> str:
+        """Why `cfg` decodes plainly although it asks to speculate ('' when it can): a recurrent/hybrid target (or
+        a forced draft model) whose state can be neither rolled back nor restored from a checkpoint here."""
+        method = cfg.method
+        if method == "none" or cfg.k <= 0:
+            return ""
+        if not _can_rollback(self.target):
+            return (f"plain decoding: {self.target.name} keeps a recurrent state that cannot be rolled back here "
+                    "(rollback: none)")
+        if method == "draft" and self.draft is not None and not _can_rollback(self.draft):
+            return (f"plain decoding: the draft model {self.draft.name} keeps a recurrent state that cannot be rolled "
+                    "back here (rollback: none)")
+        return ""
 
     def make_policy(self, cfg: GenConfig, exactness: tuple[int, str, str] | None = None) -> tuple[Policy, str, int]:
         """(policy, method, k): k is cfg.k, capped under bit exactness to what verifies bit-exactly (0 for plain
@@ -367,7 +389,12 @@ class Engine:
         sp = cfg.sampling
         rng = np.random.default_rng(sp.seed)
         text = self._assembler = TextAssembler(cfg.stop)
-        exact = self.exactness_for(cfg)
+        from localspec.core.exactness import ProbeCancelled
+
+        try:
+            exact = self.exactness_for(cfg, cancel)
+        except ProbeCancelled:  # the caller gave up while the exactness probe ran: plain, then "cancelled"
+            exact = (0, "bit", "bit: the exactness probe was cancelled")
         _, level, why = exact
         policy, method, k_cap = self.make_policy(cfg, exact)
         self._hooked = list(policy.drafters.values())
@@ -375,6 +402,12 @@ class Engine:
         stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
         if method != "none" and stats.k_cap < cfg.k:
             stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
+        stats.reason = stats.reason or self.rollback_notice(cfg)
+        stats.rollback = getattr(target, "rollback_kind", "kv")
+        roll0 = _rollback_counters(target)
+        draft0 = _rollback_counters(self.draft)
+        if self.draft is not None and "draft" in policy.drafters:
+            stats.draft_rollback = getattr(self.draft, "rollback_kind", "kv")
         prompt = [int(t) for t in prompt_tokens]
         if not prompt:
             raise UsageError("empty prompt")
@@ -390,6 +423,7 @@ class Engine:
         stats.cached_prompt_tokens = target.reused
         for d in self._hooked:
             d.begin(prompt)
+        self._after_decode(*getattr(target, "last_replay", ((), 0)))
         self._after_decode(prompt[target.reused:], target.reused)
         stats.prompt_s = time.perf_counter() - t0
 
@@ -440,7 +474,9 @@ class Engine:
                     p = np.stack([probs(r, sp) for r in rows])
                     q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)
                     n_acc, nxt = speculative_sampling(proposal.tokens, q, p, rng)
-                target.truncate(base + 1 + n_acc)
+                replay = target.truncate(base + 1 + n_acc)  # recurrent/hybrid: may decode accepted tokens again
+                if replay:
+                    self._after_decode(replay, target.last_replay[1])
                 if drafter is not None and gamma:
                     drafter.accept(gamma, n_acc)
                 te = time.perf_counter()
@@ -476,6 +512,7 @@ class Engine:
         finally:
             stats.elapsed_s = time.perf_counter() - t0
             stats.running = False
+            stats.add_rollback(roll0, _rollback_counters(target), draft0, _rollback_counters(self.draft))
             stats.reason = "; ".join(x for x in (stats.reason, policy.reason()) if x)
         tail = text.flush()
         if tail:
@@ -494,6 +531,15 @@ class Engine:
             if isinstance(ev, Finished):
                 result = ev
         return result
+
+
+def _can_rollback(model) -> bool:
+    return getattr(model, "rollback_kind", "kv") != "none"
+
+
+def _rollback_counters(model) -> dict | None:
+    counters = getattr(model, "rollback_counters", None)
+    return counters() if counters is not None else None
 
 
 def _env_allows_inexact() -> bool:

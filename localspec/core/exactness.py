@@ -8,6 +8,10 @@ can change greedy choices at margins below that. The probe measures, once per mo
 exact batch (bit exactness caps k below it) and, per batch size, the largest |logit difference| between a batched
 row and the one-token decode of the same position (the divergence audit in `localspec bench` compares a
 divergence's top-2 margin with it).
+
+Recurrent/hybrid models (llama/model.py rollback kinds rs/checkpoint) are probed the same way: the state after the
+prefix is saved as a checkpoint, so every `truncate` back to it restores it instead of relying on a full-batch
+`seq_rm` (which recurrent state cannot do). A probe can be cancelled between decodes (a threading.Event).
 """
 
 from __future__ import annotations
@@ -23,6 +27,23 @@ from localspec.store.cachefile import read_json, write_json
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
 LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
 CACHE_FILE = "exact_batch.json"
+PROBE_MIN_UPTO = 9  # the engine probes batches up to at least this (k = 8) once, and derives smaller caps from it
+
+
+class ProbeCancelled(Exception):
+    """The probe's cancel event was set; nothing was cached."""
+
+
+def _check(cancel) -> None:
+    if cancel is not None and cancel.is_set():
+        raise ProbeCancelled()
+
+
+def _mark(model) -> None:
+    """The prefix is decoded: a recurrent/hybrid model saves its state here, so truncating back restores it."""
+    save = getattr(model, "save_checkpoint", None)
+    if save is not None:
+        save()
 
 
 def _long_ok(model, upto: int) -> bool:
@@ -40,13 +61,13 @@ def _key(model, upto: int) -> str:
     return "|".join(str(x) for x in parts)
 
 
-def measure(model, upto: int) -> dict:
+def measure(model, upto: int, cancel=None) -> dict:
     """{"batch": largest B <= upto such that batches of 1..B rows are bit-identical to one-token decodes,
     "deviation": {B: largest |Δlogit| of any row of a B-row batch vs its one-token decode}}, over a short and
     (when the context allows) a long prefix."""
-    best, dev = _measure_at(model, upto, 8)
+    best, dev = _measure_at(model, upto, 8, cancel)
     if _long_ok(model, upto):
-        best_long, dev_long = _measure_at(model, upto, LONG_CONTEXT)
+        best_long, dev_long = _measure_at(model, upto, LONG_CONTEXT, cancel)
         best = min(best, best_long)
         dev = {b: max(v, dev_long[b]) for b, v in dev.items()}
     return {"batch": best, "deviation": dev}
@@ -57,7 +78,7 @@ def probe(model, upto: int) -> int:
     return measure(model, upto)["batch"]
 
 
-def _measure_at(model, upto: int, prefix: int) -> tuple[int, dict[int, float]]:
+def _measure_at(model, upto: int, prefix: int, cancel=None) -> tuple[int, dict[int, float]]:
     saved = list(model.tokens)
     model.clear()
     try:
@@ -67,12 +88,15 @@ def _measure_at(model, upto: int, prefix: int) -> tuple[int, dict[int, float]]:
         ctx, seq = ids[:prefix], ids[prefix : prefix + upto]
         model.decode(ctx)
         base = len(model.tokens)
+        _mark(model)
         singles = []
         for t in seq:
+            _check(cancel)
             singles.append(model.decode([t], "last")[0])
         model.truncate(base)
         best, exact, dev = 1, True, {}
         for b in range(2, len(seq) + 1):
+            _check(cancel)
             rows = model.decode(seq[:b], "all")
             model.truncate(base)
             exact = exact and all(np.array_equal(rows[i], singles[i]) for i in range(b))
@@ -86,7 +110,7 @@ def _measure_at(model, upto: int, prefix: int) -> tuple[int, dict[int, float]]:
             model.decode(saved, "last")
 
 
-def _record(model, upto: int) -> dict:
+def _record(model, upto: int, cancel=None) -> dict:
     """The cached measurement for this model, build and settings; measured on a miss (or an entry from an older
     localspec that stored only the batch)."""
     from localspec.llama.sysinfo import llama_cpp_version
@@ -95,7 +119,7 @@ def _record(model, upto: int) -> dict:
     entry = db.get(key)
     if isinstance(entry, dict) and "batch" in entry and isinstance(entry.get("deviation"), dict):
         return entry
-    m = measure(model, upto)
+    m = measure(model, upto, cancel) if cancel is not None else measure(model, upto)
     entry = {
         "batch": m["batch"],
         "deviation": {str(b): v for b, v in m["deviation"].items()},
@@ -113,10 +137,11 @@ def _record(model, upto: int) -> dict:
     return entry
 
 
-def max_exact_batch(model, upto: int) -> int:
+def max_exact_batch(model, upto: int, cancel=None) -> int:
     """The probe's answer, cached per model file, build, threads, GPU layers and KV type. (LOCALSPEC_ALLOW_INEXACT
-    is handled by the engine: it selects lossless exactness.)"""
-    return int(_record(model, upto)["batch"])
+    is handled by the engine: it selects lossless exactness.) `cancel`: a threading.Event that stops the probe
+    between decodes (ProbeCancelled)."""
+    return int(_record(model, upto, cancel)["batch"])
 
 
 def deviation(model, upto: int) -> dict[int, float]:
@@ -139,7 +164,7 @@ COST_MIN_UPTO = 9  # measured at least up to this batch (k = 8), so most k chang
 COST_REPS = 3
 
 
-def time_batches(model, upto: int, reps: int = COST_REPS) -> dict[int, float]:
+def time_batches(model, upto: int, reps: int = COST_REPS, cancel=None) -> dict[int, float]:
     """Seconds per decode of b rows (all logits, as a verify pass) for b in 1..upto, the median of `reps` timed
     decodes after a 64-token prefix; the model's cache is restored afterwards. Also bench's same-run curve."""
     saved = list(model.tokens)
@@ -150,10 +175,12 @@ def time_batches(model, upto: int, reps: int = COST_REPS) -> dict[int, float]:
             ids = ids + ids[1:]
         model.decode(ids[:64])
         base = len(model.tokens)
+        _mark(model)
         t = {}
         for b in range(1, upto + 1):
             ts = []
             for _ in range(reps):
+                _check(cancel)
                 t0 = time.perf_counter()
                 model.decode(ids[64 : 64 + b], "all")
                 ts.append(time.perf_counter() - t0)

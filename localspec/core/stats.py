@@ -38,6 +38,29 @@ class Stats:
     MIN_RATE_TOKENS = 2  # a rate over fewer tokens, or a shorter time, is noise: shown as "—"
     MIN_RATE_S = 0.05
     rpc_workers: list[str] = field(default_factory=list)  # llama.cpp RPC workers holding target layers
+    # how rejected tokens are rolled back (llama/model.py): kv | rs | checkpoint | none, and what it cost
+    rollback: str = "kv"
+    restores: int = 0  # target checkpoint restores (recurrent/hybrid), each followed by a replay
+    replayed_tokens: int = 0  # target tokens decoded again after restores
+    rs_rollbacks: int = 0  # target rollbacks that selected a recurrent-state plane (no replay)
+    checkpoint_bytes: int = 0  # size of the target's saved recurrent state
+    rollback_s: float = 0.0  # checkpoint save + restore time (the replay decodes are in verify_s)
+    draft_rollback: str = ""  # the draft model's rollback kind ("" when no draft model took part)
+    draft_restores: int = 0
+    draft_replayed_tokens: int = 0
+
+    def add_rollback(self, before: dict | None, after: dict | None, draft_before: dict | None = None,
+                     draft_after: dict | None = None) -> None:
+        """Rollback counters of this generation: the models' counters after it minus before."""
+        if before and after:
+            self.restores += after["restores"] - before["restores"]
+            self.replayed_tokens += after["replayed_tokens"] - before["replayed_tokens"]
+            self.rs_rollbacks += after["rs_rollbacks"] - before["rs_rollbacks"]
+            self.checkpoint_bytes = after["checkpoint_bytes"]
+            self.rollback_s += (after["save_s"] + after["restore_s"]) - (before["save_s"] + before["restore_s"])
+        if draft_before and draft_after:
+            self.draft_restores += draft_after["restores"] - draft_before["restores"]
+            self.draft_replayed_tokens += draft_after["replayed_tokens"] - draft_before["replayed_tokens"]
 
     def record_step(self, n_drafted: int, n_accepted: int) -> None:
         self.target_passes += 1

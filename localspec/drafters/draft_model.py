@@ -19,7 +19,7 @@ class DraftModelDrafter(Drafter):
     def __init__(self, model, n_vocab_target: int, p_min: float = 0.75, cost: float | None = None) -> None:
         """cost: the draft cost per token relative to one target step until measured (decoding is memory-bound:
         the draft's file size over the target's is a fair first guess)."""
-        self.model = model  # llama.model.Model (or anything with sync/decode/tokens)
+        self.model = model  # llama.model.Model (or anything with sync/decode/tokens); its truncate rolls back any kind
         self.n_vocab = n_vocab_target
         self.p_min = p_min
         self._cost = cost
@@ -57,6 +57,12 @@ class DraftModelDrafter(Drafter):
         t0 = time.perf_counter()
         logits = self.model.sync(context, copy=False)  # read before the next decode
         catch_up = time.perf_counter() - t0 if len(context) - self.model.reused > 2 else 0.0
+        if k > 1:
+            # a recurrent/hybrid draft model saves its state here: the next sync rolls back into these one-token
+            # decodes, which a recurrent state cannot undo (llama/model.py; a no-op for a transformer)
+            mark = getattr(self.model, "save_checkpoint", None)
+            if mark is not None:
+                mark()
         tokens: list[int] = []
         qs: list[np.ndarray] = []
         for i in range(k):

@@ -3,6 +3,18 @@
 Low-level API only: a batch decode returns logits for the rows asked for (never logits_all),
 KV entries are removed with llama_memory_seq_rm, flash attention is forced on (with it off a row's
 logits depend on the batch size, which breaks exactness between plain and speculative decoding).
+
+Rollback (`truncate`) by model kind (`rollback_kind`):
+- "kv": a transformer; rejected tokens' KV cells are removed with llama_memory_seq_rm.
+- "rs": a recurrent/hybrid arch that keeps `n_rs_seq` recurrent-state planes (llama.cpp's RS rollback: QWEN35(MOE),
+  NEMOTRON_H(_MOE), LFM2(MOE), BAILINGMOE3, ...): removing 1..min(n_rs_seq, batch - 1) tail tokens of the LAST
+  decode just selects a plane. Anything else (the whole last batch, a second rollback without a decode between,
+  more than n_rs_seq tokens: llama.cpp answers true there but leaves a stale state) takes the checkpoint path.
+- "checkpoint": every other recurrent/hybrid arch (Mamba, Mamba2, Jamba, Falcon-H1, Granite-H, Qwen3-Next, RWKV,
+  ...): the recurrent state saved before the last multi-token decode (`llama_state_seq_get_data_ext`, PARTIAL_ONLY:
+  only the recurrent part of a hybrid, in one reused buffer) is restored, the attention cells from that position
+  on are removed, and the accepted tokens after it are decoded again (the replay).
+- "none": neither works here: the engine decodes plainly.
 """
 
 from __future__ import annotations
@@ -28,6 +40,16 @@ _C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale, as llama.cpp strips aroun
 GGML_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30}
 
 VOCAB_TYPES = {0: "none", 1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
+
+ROLLBACK_KINDS = ("kv", "rs", "checkpoint", "none")
+RS_SEQ = 8  # recurrent-state planes asked for (k <= 8 verifies roll back without a checkpoint restore)
+
+
+def _rs_seq_wanted() -> int:
+    try:
+        return max(0, int(os.environ.get("LOCALSPEC_RS_SEQ", RS_SEQ)))
+    except ValueError:
+        return RS_SEQ
 
 
 class Model:
@@ -135,6 +157,12 @@ class Model:
             self.kv_type = kv
             cparams.type_k = cparams.type_v = GGML_TYPES[kv]
             cparams.no_perf = True
+            self.is_recurrent = bool(ll.llama_model_is_recurrent(self._model))
+            self.is_hybrid = bool(ll.llama_model_is_hybrid(self._model))
+            # LOCALSPEC_ROLLBACK=checkpoint|none forces a rollback kind on recurrent/hybrid models (benchmarks, tests)
+            forced = os.environ.get("LOCALSPEC_ROLLBACK", "")
+            if (self.is_recurrent or self.is_hybrid) and forced not in ("checkpoint", "none"):
+                cparams.n_rs_seq = _rs_seq_wanted()
             with lib.DeferSignals():
                 self._ctx = ll.llama_init_from_model(self._model, cparams)
             if not self._ctx:
@@ -143,9 +171,24 @@ class Model:
             self.n_batch = int(ll.llama_n_batch(self._ctx))  # llama.cpp caps it at n_ctx
             self._mem = ll.llama_get_memory(self._ctx)
             self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+            self.rs_seq = int(ll.llama_n_rs_seq(self._ctx)) if hasattr(ll, "llama_n_rs_seq") else 0
+            self.rollback_kind = self._detect_rollback(forced)
         except BaseException:  # KeyboardInterrupt too: free what was allocated
             self.close()
             raise
+        # checkpoint state (recurrent/hybrid): one reused buffer, the position it was saved at (None: no valid one)
+        self._ckpt_buf = None
+        self._ckpt_len = 0
+        self._ckpt_pos: int | None = None
+        self._last_batch = 0  # tokens of the last decode (RS rollback stays inside it)
+        self._rolled = False  # an RS rollback happened since the last decode
+        self.restores = 0  # checkpoint restores (each followed by a replay)
+        self.replayed_tokens = 0  # tokens decoded again after restores
+        self.checkpoint_bytes = 0  # size of the saved recurrent state
+        self.save_s = 0.0
+        self.restore_s = 0.0
+        self.rs_rollbacks = 0
+        self.last_replay: tuple[list[int], int] = ([], 0)  # what the last truncate() replayed, and from where
         self.reused = 0  # prefix tokens the last sync() kept from the cache
         self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
         self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
@@ -299,23 +342,112 @@ class Model:
         return parts
 
     # -------------------------------------------------------------- the cache
-    def truncate(self, n_keep: int) -> None:
-        """Remove KV entries from position n_keep on (rollback of rejected tokens)."""
-        if n_keep >= len(self.tokens):
+    def _detect_rollback(self, forced: str) -> str:
+        if not (self.is_recurrent or self.is_hybrid):
+            return "kv"
+        if forced == "none":
+            return "none"
+        if self.rs_seq > 0:
+            return "rs"
+        try:
+            size = int(_ll.llama_state_seq_get_size_ext(self._ctx, 0, _ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        except Exception:  # pragma: no cover - a build without the call
+            return "none"
+        return "checkpoint" if size > 0 else "none"
+
+    @property
+    def can_rollback(self) -> bool:
+        return self.rollback_kind != "none"
+
+    def rollback_counters(self) -> dict:
+        """What rollback has cost so far (for Stats: take differences around a generation)."""
+        return {"restores": self.restores, "replayed_tokens": self.replayed_tokens, "rs_rollbacks": self.rs_rollbacks,
+                "checkpoint_bytes": self.checkpoint_bytes, "save_s": self.save_s, "restore_s": self.restore_s}
+
+    def save_checkpoint(self) -> None:
+        """Save the recurrent state at the current position (recurrent/hybrid models; a no-op otherwise). decode()
+        does it before every multi-token decode; a caller about to make several one-token decodes it may roll back
+        (a draft model's proposal) calls it first."""
+        if self.rollback_kind not in ("rs", "checkpoint"):
             return
-        ok = _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1)
-        if not ok:
-            raise DecodeError(
-                f"{self.name}: llama.cpp cannot remove KV entries from position {n_keep} "
-                "(recurrent/hybrid models cannot roll back; use --method none)"
-            )
-        del self.tokens[n_keep:]
+        pos = len(self.tokens)
+        if self._ckpt_pos == pos:
+            return  # the saved state is this one (nothing was decoded since, or it was restored to here)
+        flags = _ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+        t0 = time.perf_counter()
+        need = int(_ll.llama_state_seq_get_size_ext(self._ctx, 0, flags))
+        if self._ckpt_buf is None or len(self._ckpt_buf) < need:
+            self._ckpt_buf = (ctypes.c_uint8 * need)()
+        n = int(_ll.llama_state_seq_get_data_ext(self._ctx, self._ckpt_buf, len(self._ckpt_buf), 0, flags))
+        self.save_s += time.perf_counter() - t0
+        if n <= 0:
+            self._ckpt_pos = None
+            return
+        self._ckpt_len = n
+        self._ckpt_pos = pos
+        self.checkpoint_bytes = n
+
+    def _restore(self) -> bool:
+        t0 = time.perf_counter()
+        n = int(_ll.llama_state_seq_set_data_ext(self._ctx, self._ckpt_buf, self._ckpt_len, 0,
+                                                 _ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
+        ok = n > 0 and bool(_ll.llama_memory_seq_rm(self._mem, 0, self._ckpt_pos, -1))
+        self.restore_s += time.perf_counter() - t0
+        return ok
+
+    def truncate(self, n_keep: int) -> list[int]:
+        """Remove the cache's entries from position n_keep on (rollback of rejected tokens). Returns the tokens
+        decoded again to get there (recurrent/hybrid models restoring a checkpoint; [] otherwise); they start
+        at position `self.last_replay[1]`."""
+        self.last_replay = ([], 0)
+        if n_keep >= len(self.tokens):
+            return []
+        n_keep = max(int(n_keep), 0)
+        kind = self.rollback_kind
+        if kind == "kv":
+            if not _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
+                raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries from position {n_keep}")
+            del self.tokens[n_keep:]
+            return []
+        if n_keep == 0:
+            self.clear()
+            return []
+        drop = len(self.tokens) - n_keep
+        if (kind == "rs" and not self._rolled and drop < self._last_batch and drop <= self.rs_seq
+                and _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1)):
+            # inside the last batch, keeping at least its first row, once per decode: a plane is selected
+            self._rolled = True
+            self.rs_rollbacks += 1
+            del self.tokens[n_keep:]
+            if self._ckpt_pos is not None and self._ckpt_pos > n_keep:
+                self._ckpt_pos = None
+            return []
+        keep = self.tokens[:n_keep]
+        if self._ckpt_pos is not None and self._ckpt_pos <= n_keep and self._restore():
+            start = self._ckpt_pos
+        else:  # no usable checkpoint (none yet, or saved past n_keep): from the start
+            self.clear()
+            start = 0
+        del self.tokens[start:]
+        self.restores += 1
+        replay = keep[start:]
+        if replay:
+            self.decode(replay, [], _checkpoint=False)
+            self.replayed_tokens += len(replay)
+        self._rolled = False
+        self.last_replay = (replay, start)
+        return replay
 
     def clear(self) -> None:
         _ll.llama_memory_clear(self._mem, True)
         self.tokens.clear()
+        if hasattr(self, "_ckpt_pos"):
+            self._ckpt_pos = None
+            self._last_batch = 0
+            self._rolled = False
 
-    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last", copy: bool = True) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last", copy: bool = True,
+               *, _checkpoint: bool = True) -> np.ndarray:
         """Append `tokens` at the end of the cache; return logits for the rows asked for.
 
         logit_rows: "last", "all", or indices into `tokens`. Returns an array (rows, n_vocab). With
@@ -335,6 +467,8 @@ class Model:
             raise DecodeError(f"{self.name}: context full ({len(self.tokens)} + {n} > {self.n_ctx} tokens)")
         want = set(rows)
         out: list[np.ndarray] = []
+        if _checkpoint and n > 1 and self.rollback_kind in ("rs", "checkpoint"):
+            self.save_checkpoint()  # what a rollback into (or past) this batch restores
         b = self._batch
         start = 0
         while start < n:
@@ -359,6 +493,8 @@ class Model:
                 # llama.cpp restores the memory state on failure
                 raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
             self.tokens.extend(int(t) for t in chunk)
+            self._last_batch = m
+            self._rolled = False
             if chunk_rows:
                 ptr = _ll.llama_get_logits(self._ctx)
                 arr = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))
@@ -375,7 +511,14 @@ class Model:
             common -= 1
         self.truncate(common)
         self.reused = common
-        return self.decode(context[common:], "last", copy=copy)[0]
+        rest = context[common:]
+        if len(rest) > 1 and self.rollback_kind in ("rs", "checkpoint"):
+            # a recurrent state cannot drop its last token: save it before the last one, so that the next sync of
+            # the same context (a prefilled prompt, a regenerated answer) restores here instead of replaying
+            self.decode(rest[:-1], [])
+            self.save_checkpoint()
+            rest = rest[-1:]
+        return self.decode(rest, "last", copy=copy)[0]
 
     # ------------------------------------------------------------ lifecycle
     def close(self) -> None:
