@@ -169,7 +169,7 @@ def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, mo
     import io
 
     import localspec.core.engine as eng
-    from localspec.cli.main import main
+    from localspec.cli.app import main
 
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
