@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -76,15 +76,54 @@ def _bench_session(model, draft, ctx_size, threads, gpu_layers, draft_gpu_layers
     return sess
 
 
+def check_out(path: Path | None) -> None:
+    """Before a run: an output file must be writable where it is asked for, and is never overwritten silently."""
+    if path is not None:
+        parent = Path(path).expanduser().absolute().parent
+        if not parent.is_dir():
+            raise UsageError(f"cannot write {path}: folder {parent} does not exist")
+        if Path(path).is_dir():
+            raise UsageError(f"cannot write {path}: it is a folder")
+    if path is not None and Path(path).exists() and not sys.stdin.isatty():
+        raise UsageError(f"{path} exists; refusing to overwrite it (remove it or choose another name)")
+    if path is not None and Path(path).exists():
+        if not typer.confirm(f"{path} exists. Overwrite?", err=True):
+            raise UsageError(f"{path} exists; not overwritten")
+
+
+class _Progress:
+    """A transient rich progress bar on stderr, started when the work's size is known."""
+
+    def __init__(self, console, what: str) -> None:
+        from rich.progress import Progress
+
+        self.prog = Progress(console=console, transient=True)
+        self.what = what
+        self.task = None
+
+    def start(self, total: int) -> None:
+        self.prog.start()
+        self.task = self.prog.add_task(self.what, total=total)
+
+    def advance(self, _result=None) -> None:
+        if self.task is not None:
+            self.prog.advance(self.task)
+
+    def stop(self) -> None:
+        if self.task is not None:
+            self.prog.stop()
+
+
 def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categories, limit, json_out, csv_out, plot):
     from rich.console import Console
-    from rich.progress import Progress
 
     from localspec.bench import runner as B
+    from localspec.bench import tune as T
+    from localspec.cli.bench_report import print_report
     from localspec.session import generation_slot
 
     for p in (json_out, csv_out, plot):
-        B.check_out(p)
+        check_out(p)
     if repeat < 1 or max_tokens < 1:
         raise UsageError("--repeat and --max-tokens must be >= 1")
     ps = B.load_prompts(prompts, categories.split(",") if categories else None, limit)
@@ -98,56 +137,33 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
             raise UsageError("nothing to compare: no method besides none (draft needs a draft model)")
         if getattr(engine.target, "rpc_servers", None):
             console.print(f"target layers on RPC workers: {', '.join(engine.target.rpc_servers)}")
-        done: list = []
-        calib = None
-        total = len(ps) * repeat * len(configs) * 2
+        progress = _Progress(console, "benchmarking")
         try:
-            with generation_slot(waiting=console.print):
-                calib = B.calibrate(engine, max(c.k for c in configs) + 1)
-                with Progress(console=console, transient=True) as prog:
-                    task = prog.add_task("benchmarking", total=total)
-
-                    def on_run(r):
-                        done.append(r)
-                        prog.advance(task)
-
-                    results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, repeat=repeat,
-                                          temperature=temperature, exactness=exactness, on_run=on_run)
-        except KeyboardInterrupt:
+            return T.benchmark(
+                engine, ps, configs, max_tokens=max_tokens, repeat=repeat, temperature=temperature,
+                exactness=exactness, json_out=json_out, csv_out=csv_out, plot=plot,
+                meta={"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None},
+                slot=lambda: generation_slot(waiting=console.print), on_start=progress.start, on_run=progress.advance,
+                on_report=lambda rows: (progress.stop(), print_report(rows, Console())))
+        except T.Interrupted as stop:
+            progress.stop()
             state.interrupt_reported = True
-            if done:
-                B.print_report(B.summarize(done, calib), Console())
-            console.print(f"interrupted after {len(done)} of {total} runs" + (" (the table above covers those)" if done else ""))
+            if stop.rows:
+                print_report(stop.rows, Console())
+            console.print(f"interrupted after {stop.done} of {stop.total} runs"
+                          + (" (the table above covers those)" if stop.rows else ""))
             raise typer.Exit(state.interrupt_exit) from None
-        rows = B.summarize(results, calib)
-        B.print_report(rows, Console())
-        meta = {"target": sess.target_path.name, "draft": sess.draft_path.name if sess.draft_path else None,
-                "max_tokens": max_tokens, "repeat": repeat, "temperature": temperature, "threads": engine.target.n_threads,
-                "exactness": exactness,
-                "configs": [c.label for c in configs], "prompts": len(ps),
-                "rpc_workers": list(getattr(engine.target, "rpc_servers", None) or [])}
-        if json_out:
-            B.write_json(json_out, rows, results, calib, meta)
-        if csv_out:
-            B.write_csv(csv_out, results)
-        if plot:
-            B.plot_png(plot, rows)
-        bugs = sum(r.mismatch_kind == "bug" for r in results)
-        if bugs:
-            from localspec.errors import AlgorithmBugError
-
-            raise AlgorithmBugError(f"{bugs} divergence{'s exceed' if bugs != 1 else ' exceeds'} the measured numeric "
-                                    "deviation (algorithm bug)")
-        return rows
+        finally:
+            progress.stop()
     finally:
         sess.close()
 
 
 def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     from rich.console import Console
-    from rich.progress import Progress
 
     from localspec.bench import runner as B
+    from localspec.bench import tune as T
     from localspec.session import generation_slot, tuned_key
 
     ps = B.load_prompts(prompts, None, limit)
@@ -155,29 +171,20 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     sess.announce = console.print
     engine = sess.load()
     try:
-        methods = "draft,lookup" if engine.draft is not None else "lookup"
-        configs = B.parse_configs(methods, ks, p_mins, has_draft=engine.draft is not None)
-        with generation_slot(waiting=console.print):
-            with Progress(console=console, transient=True) as prog:
-                task = prog.add_task("tuning", total=len(ps) * len(configs) * 2)
-                results = B.run_bench(engine, ps, configs, max_tokens=max_tokens, on_run=lambda r: prog.advance(task))
-        rows = B.summarize(results)
-        best = B.choose_best(rows)
+        progress = _Progress(console, "tuning")
         key = tuned_key(sess["model"], sess.pair)
-        entry = {"method": best["method"], "k": best["k"], "tokens_per_second": round(best["tps_median"], 2),
-                 "speedup": round(best["speedup_median"], 3) if best["speedup_median"] else 1.0,
-                 "tuned_at": time.strftime("%Y-%m-%d %H:%M")}
-        cfg_label = best["config"]
-        if cfg_label.startswith("draft") and " p=" in cfg_label:
-            entry["p_min"] = float(cfg_label.split(" p=")[1])
-        config.update_file(config.config_file(), lambda d: d.setdefault("tuned", {}).__setitem__(key, entry))
+        try:
+            entry, best = T.tune(engine, ps, ks=ks, p_mins=p_mins, max_tokens=max_tokens, key=key,
+                                 slot=lambda: generation_slot(waiting=console.print), on_start=progress.start,
+                                 on_run=progress.advance)
+        finally:
+            progress.stop()
         if best["method"] == "none":
             console.print(f"speculation does not pay on this machine for {key}: plain decoding measured fastest "
                           f"({best['tps_median']:.1f} tok/s); stored method=none")
         else:
-            console.print(f"chose {cfg_label} for {key}: {best['tps_median']:.1f} tok/s, "
+            console.print(f"chose {best['config']} for {key}: {best['tps_median']:.1f} tok/s, "
                           f"{entry['speedup']:.2f}x plain (median of per-prompt ratios); stored in {config.config_file()}")
         return entry
     finally:
         sess.close()
-

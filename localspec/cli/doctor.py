@@ -16,34 +16,12 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
     from localspec.models import download
     from localspec.models import registry
-    from localspec.llama.ggml import compiled_backends, devices, rpc_available
-    from localspec.llama.sysinfo import default_threads, llama_cpp_version, supports_gpu_offload, system_info
+    from localspec.llama.sysinfo import hardware
     from localspec.core.exactness import cached_costs, cached_probes
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
-    backends: list[str] = []
-    try:
-        report["llama_cpp_python"] = llama_cpp_version()
-        report["system_info"] = system_info().strip()
-        report["gpu_offload"] = supports_gpu_offload()
-        report["rpc"] = rpc_available()  # `localspec worker` and --rpc
-        backends = compiled_backends()
-        report["devices"] = devices()
-    except Exception as exc:
-        report["llama_cpp_python"] = f"not working: {exc}"
-        report["devices"] = []
-    flags = set()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
-    report["cpu_features"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "bmi2")))
-    report["backends"] = backends
-    report["threads"] = default_threads()
+    report.update(hardware())
+    notes = report.pop("notes")
     cd = download.cache_dir()
     report["cache_dir"] = str(cd)
     report["free_disk_gb"] = round(download.free_bytes(cd) / 1e9, 1)
@@ -61,13 +39,6 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
          "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())}}
         for c in cached_costs()
     ]
-    notes = []
-    if any(f.startswith("amx") for f in flags):
-        notes.append("CPU has AMX: a default (-march=native) llama-cpp-python build can crash with SIGILL; "
-                     "rebuild with the CMAKE_ARGS in the README, or set LOCALSPEC_NO_REPACK=1")
-    if not any(d["type"] in ("gpu", "igpu") for d in report["devices"]):
-        notes.append("CPU only. For an NVIDIA GPU (nvcc on PATH) or Apple Silicon, `bash .ci/install-llama-cpp` "
-                     "builds llama.cpp with CUDA or Metal; layers then go to the GPU by default")
     report["notes"] = notes
     if as_json:
         typer.echo(json.dumps(report, indent=1))
