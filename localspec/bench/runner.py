@@ -71,26 +71,41 @@ class RunResult:
 
 
 # ------------------------------------------------------------------ prompts
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false", type(None): "null"}
+
+
 def load_prompts(path: Path | None = None, categories: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
     if path is None:
         text = (resources.files("localspec") / "data" / "bench_prompts.jsonl").read_text()
         where = "built-in prompts"
     else:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read prompts file {path}: {exc.strerror}") from None
         where = str(path)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise UsageError(f"{where} line {line}: not UTF-8 text (JSON lines {{\"prompt\": ...}} expected)") from None
     out = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
-            if not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
-                raise ValueError("missing 'prompt'")
         except ValueError as exc:
             raise UsageError(f"{where} line {i}: {exc}") from None
+        if not isinstance(d, dict):
+            raise UsageError(f"{where} line {i}: expected a JSON object {{\"prompt\": ...}}, got {_JSON_KINDS.get(type(d), type(d).__name__)}")
+        if not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+            raise UsageError(f"{where} line {i}: missing 'prompt'")
+        for key in ("id", "category"):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool) or key == "category" and not isinstance(v, str)):
+                raise UsageError(f"{where} line {i}: {key!r} must be {'a string' if key == 'category' else 'a string or a number'}, "
+                                 f"got {json.dumps(v)}")
         d.setdefault("id", f"p{i}")
         d.setdefault("category", "default")
         out.append(d)
@@ -112,9 +127,14 @@ def load_prompts(path: Path | None = None, categories: Sequence[str] | None = No
 def parse_configs(methods: str, ks: str, p_mins: str | None = None, has_draft: bool = True) -> list[BenchConfig]:
     try:
         k_list = [int(x) for x in ks.split(",") if x.strip()]
-        p_list = [float(x) for x in p_mins.split(",")] if p_mins else [None]
     except ValueError:
         raise UsageError(f"--k must be comma-separated integers, got {ks!r}") from None
+    if not k_list:
+        raise UsageError(f"--k must name at least one integer, got {ks!r}")
+    try:
+        p_list = [float(x) for x in p_mins.split(",")] if p_mins else [None]
+    except ValueError:
+        raise UsageError(f"--p-min must be comma-separated numbers, got {p_mins!r}") from None
     out = []
     for m in [x.strip() for x in methods.split(",") if x.strip()]:
         if m not in ("none", "draft", "lookup", "auto"):

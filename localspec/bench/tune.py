@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from localspec.bench import runner as B
-from localspec.errors import AlgorithmBugError
+from localspec.errors import AlgorithmBugError, UsageError
 from localspec.store.tomlfile import config_file, update_file
 
 Slot = Callable[[], ContextManager]
@@ -22,6 +22,27 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, rows: list[dict] | None, done: int, total: int) -> None:
         super().__init__()
         self.rows, self.done, self.total = rows, done, total
+
+
+def check_outputs(json_out: Path | None = None, csv_out: Path | None = None, plot: Path | None = None) -> None:
+    """Before a benchmark: the report files are different files, and --plot has matplotlib to draw with."""
+    seen: dict[Path, str] = {}
+    for flag, path in (("--json", json_out), ("--csv", csv_out), ("--plot", plot)):
+        if path is None:
+            continue
+        where = Path(path).expanduser().absolute()
+        try:
+            where = where.resolve()
+        except OSError:
+            pass
+        if where in seen:
+            raise UsageError(f"{seen[where]} and {flag} both write {path}: give each its own file")
+        seen[where] = flag
+    if plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("--plot needs matplotlib: pip install 'localspec[plot]'") from None
 
 
 def benchmark(engine, prompts: list[dict], configs: list[B.BenchConfig], *, max_tokens: int, repeat: int,

@@ -101,6 +101,14 @@ def _interrupted() -> None:
     sys.exit(state.interrupt_exit)
 
 
+def _bytes_text(arg: str) -> str:
+    """An undecodable argument as the bytes it was (b'caf\\xe9'), for the error line."""
+    try:
+        return repr(arg.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError:
+        return ascii(arg)
+
+
 def main(argv: list[str] | None = None) -> None:
     # a closed stdout/stderr (`localspec run ... >&-`) is a place where output goes nowhere, not a crash
     if sys.stdout is None:
@@ -113,6 +121,12 @@ def main(argv: list[str] | None = None) -> None:
 
     progress.install()  # download progress bars on stderr
     argv = list(sys.argv[1:] if argv is None else argv)
+    for i, a in enumerate(argv, 1):  # undecodable bytes arrive as lone surrogates (PEP 383)
+        try:
+            a.encode("utf-8")
+        except UnicodeEncodeError:
+            err(f"argument {i} ({_bytes_text(a)}) is not valid UTF-8 text")
+            sys.exit(2)
     first = next((a for a in argv if a not in ("--debug",)), None)
     if first is None:
         if not sys.stdin.isatty():

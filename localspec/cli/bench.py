@@ -122,11 +122,13 @@ def _bench(sess, *, prompts, methods, ks, max_tokens, repeat, temperature, categ
     from localspec.cli.bench_report import print_report
     from localspec.session import generation_slot
 
+    T.check_outputs(json_out, csv_out, plot)  # everything the user gave is checked before any model loads
     for p in (json_out, csv_out, plot):
         check_out(p)
     if repeat < 1 or max_tokens < 1:
         raise UsageError("--repeat and --max-tokens must be >= 1")
     ps = B.load_prompts(prompts, categories.split(",") if categories else None, limit)
+    B.parse_configs(methods, ks, has_draft=True)
     exactness = sess["exactness"] or "auto"
     console = Console(stderr=True)
     sess.announce = console.print
@@ -167,6 +169,7 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     from localspec.session import generation_slot, tuned_key
 
     ps = B.load_prompts(prompts, None, limit)
+    T.tune_configs(ks, p_mins, has_draft=True)  # bad values fail before any model loads
     console = Console(stderr=True)
     sess.announce = console.print
     engine = sess.load()

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from localspec.cli.history import _history
+from localspec.cli.history import _history, chat_id_in_range
 from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, GpuOpt, KOpt, MaxTokOpt, MethodOpt,
                                     ModelOpt, RpcOpt, SplitOpt, SystemOpt, TemplateOpt, TempOpt, ThreadsOpt, flags,
                                     use_template)
@@ -30,7 +30,7 @@ def chat(
     rpc: RpcOpt = None,
     tensor_split: SplitOpt = None,
     cont: Annotated[bool, typer.Option("--continue", help="Reopen the most recent stored chat.")] = False,
-    resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen stored chat ID (`localspec history list`).", show_default=False)] = None,
+    resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen stored chat ID (`localspec history list`).", show_default=False, callback=chat_id_in_range)] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Store nothing (or set history = false in the config).")] = False,
     chat_template: TemplateOpt = None,
 ):

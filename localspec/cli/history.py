@@ -14,7 +14,15 @@ from localspec.errors import UsageError
 
 history_app = typer.Typer(help="Stored chats: list, show, export and delete them.", no_args_is_help=True)
 
-ChatIdArg = Annotated[int, typer.Argument(help="Chat number (`localspec history list`).", show_default=False)]
+def chat_id_in_range(value: int | None) -> int | None:
+    """A chat number SQLite can hold (beyond 64 bits there is no such chat, and sqlite3 raises OverflowError)."""
+    if value is not None and not -2**63 <= value < 2**63:
+        raise UsageError(f"no chat {value} in the history (`localspec history list` shows them)")
+    return value
+
+
+ChatIdArg = Annotated[int, typer.Argument(help="Chat number (`localspec history list`).", show_default=False,
+                                          callback=chat_id_in_range)]
 
 
 def _history(create: bool = False):
