@@ -5,6 +5,7 @@ app in this one place (the command modules import nothing from here)."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from typing import Annotated
 
@@ -19,6 +20,7 @@ from localspec.cli import history as history_cmds
 from localspec.cli import models as models_cmds
 from localspec.cli import run as run_cmd
 from localspec.cli import serve as serve_cmd
+from localspec.cli import stop_during_start_up
 from localspec.cli import worker as worker_cmd
 from localspec.cli.options import err, quiet_pipe, setting_words, state
 from localspec.errors import LocalspecError
@@ -75,14 +77,29 @@ COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worke
 
 
 def _on_signal(signum, frame) -> None:
-    """SIGTERM and SIGHUP stop a generation the way Ctrl-C does: the partial answer and the summary are kept."""
-    state.interrupt_exit = 128 + signum
-    raise KeyboardInterrupt
+    """SIGINT, SIGTERM and SIGHUP stop a generation: the first one raises KeyboardInterrupt (the partial answer and
+    the summary are then kept); more of them while that stop is under way are ignored (a second KeyboardInterrupt
+    raised inside the clean-up lost the answer, or freed a model halfway: SIGSEGV), but a third forces the exit."""
+    state.signals += 1
+    if state.signals == 1:
+        state.interrupt_exit = 128 + signum
+        raise KeyboardInterrupt
+    if state.signals >= 3:
+        os.write(2, b"\ninterrupted\n")
+        os._exit(state.interrupt_exit)
 
 
-def _install_signals() -> None:
-    import signal
+_STOP_SIGNALS = tuple(getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, n))
 
+
+def _install_signals():
+    """Our handlers; returns SIGINT's previous one (main() puts it back for embedders)."""
+    try:
+        previous = signal.signal(signal.SIGINT, _on_signal)
+    except (ValueError, OSError):  # not the main thread (embedded use)
+        return None
+    if previous is stop_during_start_up:
+        previous = signal.default_int_handler
     for name in ("SIGTERM", "SIGHUP"):
         sig = getattr(signal, name, None)
         if sig is not None:
@@ -90,6 +107,7 @@ def _install_signals() -> None:
                 signal.signal(sig, _on_signal)
             except (ValueError, OSError):  # not the main thread (embedded use)
                 pass
+    return previous
 
 
 def _interrupted() -> None:
@@ -116,7 +134,21 @@ def main(argv: list[str] | None = None) -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
     state.reset()
-    _install_signals()
+    previous = _install_signals()
+    try:
+        _main(argv)
+    finally:
+        try:
+            if state.signals:  # stopping: the interpreter's teardown (freeing the models) resets Python handlers
+                for sig in _STOP_SIGNALS:  # to the default, which a second Ctrl-C then dies of; ignoring survives
+                    signal.signal(sig, signal.SIG_IGN)
+            elif previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        except (ValueError, OSError):
+            pass
+
+
+def _main(argv: list[str] | None) -> None:
     from localspec.cli import progress
 
     progress.install()  # download progress bars on stderr

@@ -150,6 +150,7 @@ class CliState:
         self.debug = False
         self.interrupt_reported = False
         self.interrupt_exit = 130  # 128 + the signal that stopped us (SIGINT 130, SIGHUP 129, SIGTERM 143)
+        self.signals = 0  # stop signals received
 
 
 state = CliState()

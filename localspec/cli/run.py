@@ -71,6 +71,7 @@ def run(
     text = "\n\n".join(parts)
     status = Status(quiet)
     from localspec.core.engine import Finished
+    from localspec.llama.aborts import on_abort
 
     sess.check()  # bad sampling/k/thread values fail before loading gigabytes
     use_template(sess, chat_template)
@@ -93,6 +94,21 @@ def run(
         fin = None
         out = sys.stdout
         got: list[str] = []  # the answer so far: kept when interrupted
+        printed = []  # set once the answer is out (the abort hook then has nothing to do)
+
+        def keep_the_answer() -> None:
+            """llama.cpp aborts the process (an RPC worker died): --json and --no-stream print what they have."""
+            if printed or stream:
+                return
+            partial = "".join(got)
+            if as_json:
+                d = result_json(None, engine.last_stats, engine, gen_cfg, interrupted=True, text=partial)
+                out.write(json.dumps(d | {"finish_reason": "error"}) + "\n")
+            else:
+                out.write(partial + ("" if partial.endswith("\n") else "\n"))
+            out.flush()
+
+        on_abort(keep_the_answer)
         with generation_slot(waiting=None if quiet else status.info):
             status.start(lambda: engine.last_stats)
             try:
@@ -110,6 +126,7 @@ def run(
                 status.stop()
                 stats = engine.last_stats
                 partial = "".join(got)
+                printed.append(True)
                 if stream:
                     out.write("\n")
                 elif as_json:
@@ -123,6 +140,7 @@ def run(
             finally:
                 status.stop()
         stats = fin.stats
+        printed.append(True)
         if as_json:
             out.write(json.dumps(result_json(fin, stats, engine, gen_cfg)) + "\n")
         elif stream:
