@@ -1,3 +1,3 @@
-from localspec.cli.main import main
+from localspec.cli.app import main
 
 main()

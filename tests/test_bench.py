@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from localspec.bench import runner as B
+from localspec.cli.bench_report import bars, print_report
 from localspec.core.engine import Engine
 
 
@@ -50,7 +51,7 @@ def test_summarize_medians_ratios_and_exactness():
     assert allr["identical_share"] == 2 / 3 and allr["median_divergence"] == 7
     assert allr["speedup_median"] == 1.0 and allr["runs"] == 3
     assert by[("none", "all")]["speedup_median"] is None
-    assert "lookup k=2" in B.bars([r for r in rows if r["method"] != "none"])
+    assert "lookup k=2" in bars([r for r in rows if r["method"] != "none"])
 
 
 def test_parse_configs_and_prompts(tmp_path):
@@ -169,7 +170,7 @@ def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, mo
     import io
 
     import localspec.core.engine as eng
-    from localspec.cli.main import main
+    from localspec.cli.app import main
 
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -195,7 +196,7 @@ def test_report_into_a_pipe_keeps_every_cell():
 
     results = [rr("none", "none", 0, "code_edit", 15.123), rr("lookup k=8", "lookup", 8, "code_edit", 19.987, 1.3216, True, 20, 10)]
     buf = io.StringIO()
-    B.print_report(B.summarize(results), Console(file=buf, width=80))
+    print_report(B.summarize(results), Console(file=buf, width=80))
     out = buf.getvalue()
     assert "…" not in out and "code_edit" in out and "lookup k=8" in out and "1.32x" in out and "20.0" in out and "15.1" in out
     assert "\x1b[" not in out and "[red]" not in out

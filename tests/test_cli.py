@@ -173,7 +173,7 @@ def run_main(args, capsys, monkeypatch):
     """The entry point in-process (so a test can stub the exactness probe): (exit code, stdout, stderr)."""
     import io
 
-    from localspec.cli.main import main
+    from localspec.cli.app import main
 
     monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing piped
     with pytest.raises(SystemExit) as exc:
@@ -205,7 +205,7 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     """CI regression: 12 tokens in under 50 ms gave "tokens_per_second": null (the live display's noise floor)."""
     from types import SimpleNamespace
 
-    from localspec.cli.main import result_json
+    from localspec.cli.render import result_json
     from localspec.server.app import localspec_stats
     from localspec.core.stats import Stats
     from localspec.core.engine import GenConfig

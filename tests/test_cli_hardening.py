@@ -199,3 +199,66 @@ def test_config_set_and_unset(target_path):
     assert "did you mean method" in one_error_line(cli(["config", "set", "methd", "auto"]), 2)
     assert cli(["config", "unset", "max_tokens"]).returncode == 0
     assert json.loads(cli(["config", "--json"]).stdout)["settings"]["max_tokens"]["source"] == "default"
+
+
+BENCH = ["bench", "--methods", "lookup", "--k", "2", "-n", "4", "--limit", "1", "--categories", "code"]
+
+
+def test_bench_refuses_one_path_for_two_reports(target_path, tmp_path):
+    """#19.3: `--json F --csv F` kept only the CSV (exit 0)."""
+    f = tmp_path / "report"
+    r = cli([*BENCH, "-m", str(target_path), "--json", str(f), "--csv", str(f)], timeout=120)
+    assert "--json and --csv" in one_error_line(r, 2) and not f.exists() and r.stdout == b""
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(target_path, tmp_path):
+    """#19: `--plot` without matplotlib failed only after the whole benchmark."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = {"PYTHONPATH": str(tmp_path / "shadow") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = cli([*BENCH, "-m", str(target_path), "--plot", str(tmp_path / "x.png")], env=env, timeout=120)
+    assert "matplotlib" in one_error_line(r, 2) and r.stdout == b""  # no report: nothing ran
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"prompt": "hi"}\n[1, 2]\n', "line 2"),
+    (b'"just a string"\n', "line 1"),
+    (b'\xff\xfe\x00\x01binary', "UTF-8"),
+    (b'{"prompt": "hi", "category": 5}\n', "line 1"),
+    (b'{"prompt": "hi", "id": [1]}\n', "line 1"),
+])
+def test_bad_prompts_file_is_a_usage_error_before_any_model_loads(tmp_path, content, needle):
+    """#19.12/13: a line that is an array or a string, a binary file: exit 1 with a Python error; `"category": 5`
+    failed only after the benchmark. The model does not even exist here: the prompts are checked first."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(content)
+    r = cli([*BENCH[:-2], "-m", str(tmp_path / "absent.gguf"), "--prompts", str(f)], timeout=60)
+    line = one_error_line(r, 2)
+    assert str(f) in line and needle in line
+
+
+def test_bench_k_list_must_not_be_empty(tmp_path):
+    """#19.12: `--methods auto --k ,` ended in `ValueError: max() arg is an empty sequence` (exit 1)."""
+    r = cli(["bench", "-m", str(tmp_path / "absent.gguf"), "--methods", "auto", "--k", ","], timeout=60)
+    assert "--k" in one_error_line(r, 2)
+
+
+def test_tune_blames_the_flag_that_is_wrong(tmp_path):
+    """#19.14: `tune --p-min abc` said `--k must be comma-separated integers`."""
+    r = cli(["tune", "-m", str(tmp_path / "absent.gguf"), "--p-min", "abc"], timeout=60)
+    line = one_error_line(r, 2)
+    assert "--p-min" in line and "--k" not in line
+
+
+def test_invalid_utf8_argument_is_one_usage_line():
+    """#19.12: invalid UTF-8 in argv ended in a UnicodeEncodeError (exit 1)."""
+    for args in ([b"run", b"-n", b"4", b"caf\xe9"], [b"\xff"]):
+        r = subprocess.run([sys.executable.encode(), b"-m", b"localspec", *args], capture_output=True, timeout=60)
+        assert "UTF-8" in one_error_line(r, 2)
+
+
+@pytest.mark.parametrize("cmd", ["show", "rm", "export"])
+def test_history_id_out_of_range_is_a_usage_error(cmd):
+    """#19.12: `history show 99999999999999999999999` was an OverflowError (exit 1)."""
+    one_error_line(cli(["history", cmd, "99999999999999999999999"]), 2)

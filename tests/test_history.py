@@ -317,7 +317,7 @@ def test_chat_passes_runtime_flags_and_the_store_to_the_app(monkeypatch, stored)
     """`chat` takes run's runtime flags; with a terminal it opens the app on the session, the history and the
     chat to resume (the app itself is not run here)."""
     import localspec.tui.app as tui
-    from localspec.cli import main as C
+    from localspec.cli import app as C
 
     a, b = stored
     seen = {}

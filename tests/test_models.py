@@ -113,7 +113,7 @@ def test_mirror_fallback_and_resume(hub, target_path):
 
 
 def test_header_only_compatibility_before_download(hub, env):
-    from localspec.cli.main import _remote_compat
+    from localspec.cli.models import _remote_compat
 
     good = registry.Pair("good", "", spec("target.gguf"), spec("draft.gguf"))
     _remote_compat(good)

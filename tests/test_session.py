@@ -126,7 +126,7 @@ def test_live_tokens_per_second_while_streaming(target_path):
 
 
 def test_status_ticker_refreshes_without_tokens(monkeypatch):
-    from localspec.cli import main as C
+    from localspec.cli import render as C
 
     writes = []
 

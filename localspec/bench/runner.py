@@ -6,7 +6,6 @@ from __future__ import annotations
 import csv
 import json
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from importlib import resources
@@ -16,7 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from localspec.core.engine import Engine, GenConfig
-from localspec.errors import AlgorithmBugError, UsageError
+from localspec.errors import UsageError
 from localspec.core.sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
@@ -72,26 +71,41 @@ class RunResult:
 
 
 # ------------------------------------------------------------------ prompts
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "true/false", type(None): "null"}
+
+
 def load_prompts(path: Path | None = None, categories: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
     if path is None:
         text = (resources.files("localspec") / "data" / "bench_prompts.jsonl").read_text()
         where = "built-in prompts"
     else:
         try:
-            text = Path(path).read_text()
+            data = Path(path).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read prompts file {path}: {exc.strerror}") from None
         where = str(path)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            line = data[: exc.start].count(b"\n") + 1
+            raise UsageError(f"{where} line {line}: not UTF-8 text (JSON lines {{\"prompt\": ...}} expected)") from None
     out = []
     for i, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
             d = json.loads(line)
-            if not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
-                raise ValueError("missing 'prompt'")
         except ValueError as exc:
             raise UsageError(f"{where} line {i}: {exc}") from None
+        if not isinstance(d, dict):
+            raise UsageError(f"{where} line {i}: expected a JSON object {{\"prompt\": ...}}, got {_JSON_KINDS.get(type(d), type(d).__name__)}")
+        if not isinstance(d.get("prompt"), str) or not d["prompt"].strip():
+            raise UsageError(f"{where} line {i}: missing 'prompt'")
+        for key in ("id", "category"):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, (str, int)) or isinstance(v, bool) or key == "category" and not isinstance(v, str)):
+                raise UsageError(f"{where} line {i}: {key!r} must be {'a string' if key == 'category' else 'a string or a number'}, "
+                                 f"got {json.dumps(v)}")
         d.setdefault("id", f"p{i}")
         d.setdefault("category", "default")
         out.append(d)
@@ -113,9 +127,14 @@ def load_prompts(path: Path | None = None, categories: Sequence[str] | None = No
 def parse_configs(methods: str, ks: str, p_mins: str | None = None, has_draft: bool = True) -> list[BenchConfig]:
     try:
         k_list = [int(x) for x in ks.split(",") if x.strip()]
-        p_list = [float(x) for x in p_mins.split(",")] if p_mins else [None]
     except ValueError:
         raise UsageError(f"--k must be comma-separated integers, got {ks!r}") from None
+    if not k_list:
+        raise UsageError(f"--k must name at least one integer, got {ks!r}")
+    try:
+        p_list = [float(x) for x in p_mins.split(",")] if p_mins else [None]
+    except ValueError:
+        raise UsageError(f"--p-min must be comma-separated numbers, got {p_mins!r}") from None
     out = []
     for m in [x.strip() for x in methods.split(",") if x.strip()]:
         if m not in ("none", "draft", "lookup", "auto"):
@@ -336,58 +355,6 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
     return rows
 
 
-def bars(rows: list[dict], width: int = 30) -> str:
-    """Terminal bar chart of median speedup per config, per category."""
-    out = []
-    cats = [c for c in dict.fromkeys(r["category"] for r in rows)]
-    top = max((r["speedup_median"] or 0) for r in rows) or 1.0
-    for cat in cats:
-        out.append(cat)
-        for r in rows:
-            if r["category"] != cat or r["speedup_median"] is None:
-                continue
-            n = int(round(width * r["speedup_median"] / max(top, 1.0)))
-            one = int(round(width * 1.0 / max(top, 1.0)))
-            bar = "".join("█" if i < n else " " for i in range(width))
-            bar = bar[:one] + "│" + bar[one:]
-            out.append(f"  {r['config']:<18} {bar} {r['speedup_median']:.2f}x")
-    return "\n".join(out)
-
-
-def print_report(rows: list[dict], console=None) -> None:
-    """The report table: rich on a terminal, plain aligned columns (nothing cut) into a pipe or a file."""
-    from rich.console import Console
-
-    from localspec.cli.table import print_table
-
-    console = console or Console(stderr=True)
-    cols = ["config", "k eff", "exactness", "category", "tok/s med", "tok/s p95", "lat p50", "lat p95", "ttft", "accept",
-            "len", "speedup", "ideal", "meas/ideal", "identical", "div pos"]
-    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    table = []
-    for r in rows:
-        spec = r["method"] != "none"
-        share = r["identical_share"]
-        ident = "-" if share is None or not spec else ("[red]" if r["bugs"] else "") + f"{share:.0%}" + ("[/red]" if r["bugs"] else "")
-        table.append([r["config"], str(r["k_effective"]) if spec else "-", (r["exactness"] or "-") if spec else "-", r["category"],
-                      f(r["tps_median"], ".1f"), f(r["tps_p95"], ".1f"), f(r["latency_p50"], ".2f"),
-                      f(r["latency_p95"], ".2f"), f(r["ttft_median"], ".2f"), f(r["acceptance_rate"], ".0%"),
-                      f(r["mean_accepted_length"], ".2f"), f(r["speedup_median"], ".2f") + ("x" if r["speedup_median"] else ""),
-                      f(r["ideal_speedup"], ".2f"), f(r["measured_over_ideal"], ".2f"), ident,
-                      f(r["median_divergence"], "g")])
-    print_table(cols, table, file=console.file, right=[c for c in cols if c not in ("config", "exactness", "category")],
-                title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
-    console.print(bars([r for r in rows if r["method"] != "none"]))
-    for r in rows:
-        if r["category"] == "all":
-            continue  # each divergence once, under its own category
-        for m in r["mismatches"]:
-            why = ("numeric: a near-tie flipped by float reduction order" if m["kind"] == "numeric"
-                   else "[red]BUG[/red]: float order cannot flip a margin that wide")
-            console.print(f"divergence {r['config']} on {m['prompt']}: first different token at {m['position']}, target "
-                          f"top-2 margin there {m['margin']:.4g}, measured batch deviation {m['deviation']:.4g} -> {why}")
-
-
 def write_json(path: Path, rows, results, calib, meta) -> None:
     data = {"meta": meta, "calibration": calib, "summary": rows,
             "runs": [{k: v for k, v in asdict(r).items() if k != "tokens"} for r in results]}
@@ -424,23 +391,6 @@ def plot_png(path: Path, rows) -> None:
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path)
-
-
-def check_out(path: Path | None) -> None:
-    """Before a run: an output file must be writable where it is asked for, and is never overwritten silently."""
-    if path is not None:
-        parent = Path(path).expanduser().absolute().parent
-        if not parent.is_dir():
-            raise UsageError(f"cannot write {path}: folder {parent} does not exist")
-        if Path(path).is_dir():
-            raise UsageError(f"cannot write {path}: it is a folder")
-    if path is not None and Path(path).exists() and not sys.stdin.isatty():
-        raise UsageError(f"{path} exists; refusing to overwrite it (remove it or choose another name)")
-    if path is not None and Path(path).exists():
-        import typer
-
-        if not typer.confirm(f"{path} exists. Overwrite?", err=True):
-            raise UsageError(f"{path} exists; not overwritten")
 
 
 def choose_best(rows: list[dict]) -> dict:

@@ -1,0 +1,66 @@
+"""`localspec doctor`: versions, backends and devices, CPU features, cache, models and probes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from localspec import __version__
+from localspec import settings as config
+
+def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
+    from localspec.models import download
+    from localspec.models import registry
+    from localspec.llama.sysinfo import hardware
+    from localspec.core.exactness import cached_costs, cached_probes
+
+    report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
+    report.update(hardware())
+    notes = report.pop("notes")
+    cd = download.cache_dir()
+    report["cache_dir"] = str(cd)
+    report["free_disk_gb"] = round(download.free_bytes(cd) / 1e9, 1)
+    report["config_file"] = str(config.config_file())
+    pairs, default = registry.load()
+    report["models"] = {n: all(download.local_path(s) is not None for s in (p.target, p.draft) if s) for n, p in pairs.items()}
+    report["exactness_probes"] = [
+        {"model": p.get("model"), "llama_cpp": p.get("llama_cpp"), "threads": p.get("threads"), "gpu_layers": p.get("gpu_layers"),
+         "kv_type": p.get("kv_type"), "long_prefix": p.get("long_prefix"), "exact_batch": p["batch"],
+         "deviation": {str(b): v for b, v in sorted(p["deviation"].items())}}
+        for p in cached_probes()
+    ]
+    report["verify_costs"] = [  # what a verify batch of b rows costs in one-token decodes (the controller's start)
+        {"model": c["model"], "threads": c["threads"], "gpu_layers": c["gpu_layers"],
+         "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())}}
+        for c in cached_costs()
+    ]
+    report["notes"] = notes
+    if as_json:
+        typer.echo(json.dumps(report, indent=1))
+        return
+    for k, v in report.items():
+        if k in ("system_info", "notes", "models", "devices", "exactness_probes", "verify_costs"):
+            continue
+        typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
+    typer.echo(f"system_info: {report.get('system_info', '')}")
+    for d in report["devices"]:
+        mem = f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free" if d["memory_total"] else "memory n/a"
+        typer.echo(f"device: {d['name']} ({d['type']}, {d['backend']}) {d['description']}: {mem}")
+    typer.echo("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
+    for p in report["exactness_probes"]:
+        dev = " ".join(f"{b}:{v:.3g}" for b, v in p["deviation"].items()) or "-"
+        typer.echo(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
+                   f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
+                   f"max |Δlogit| per batch size {dev}")
+    for c in report["verify_costs"]:
+        costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
+        typer.echo(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
+                   f"one-token decodes per batch size {costs}")
+    for n in notes:
+        typer.echo(f"note: {n}")
+

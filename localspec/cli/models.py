@@ -1,0 +1,222 @@
+"""`localspec models`: list, pull, remove, inspect and add model pairs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from localspec.errors import UsageError
+
+models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
+
+
+@models_app.command("list")
+def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
+                local: Annotated[bool, typer.Option("--local", help="Only what is downloaded (any of its files).")] = False):
+    """Pairs, and hub models fetched by name, whether downloaded, sizes and local paths."""
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
+
+    pairs, default = registry.load()
+
+    def facts(spec):
+        lp = download.local_path(spec)
+        return {"file": spec.label, "size": spec.size or (lp.stat().st_size if lp else None),
+                "downloaded": lp is not None, "path": str(lp) if lp else None}
+
+    rows = []
+    for name, p in pairs.items():
+        entry = {"name": name, "default": name == default, "description": p.description, "k": p.k, "source": p.source}
+        for role, spec in (("target", p.target), ("draft", p.draft)):
+            entry[role] = None if spec is None else facts(spec)
+        rows.append(entry)
+    in_pairs = {r[role]["path"] for r in rows for role in ("target", "draft") if r[role] and r[role]["path"]}
+    for name, spec in hfname.cached_models():  # fetched with -m OWNER/REPO:QUANT and not part of a pair
+        f = facts(spec)
+        if f["path"] not in in_pairs:
+            rows.append({"name": name, "default": False, "description": "hub model", "k": None, "source": "hub cache",
+                         "target": f, "draft": None})
+    if local:
+        rows = [r for r in rows if any(r[role] and r[role]["downloaded"] for role in ("target", "draft"))]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+        return
+    from localspec.cli.table import print_table
+
+    def fmt(f):
+        if f is None:
+            return "[dim]- (lookup)[/dim]"
+        size = f"{f['size'] / 1e9:.2f} GB" if f["size"] else "?"
+        mark = "[green]✓[/green]" if f["downloaded"] else "[dim]·[/dim]"
+        return f"{mark} {Path(f['file']).name} [dim]{size}[/dim]"
+
+    table = []
+    for r in rows:
+        paths = "\n".join(x["path"] for x in (r["target"], r["draft"]) if x and x["path"]) or "-"
+        table.append([r["name"] + (" [bold](default)[/bold]" if r["default"] else ""), fmt(r["target"]), fmt(r["draft"]),
+                      "-" if r["k"] is None else str(r["k"]), paths])
+    print_table(["pair", "target", "draft", "k", "local"], table, right=["k"])
+
+
+@models_app.command("pull")
+def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub model (OWNER/REPO:QUANT, hf://…).")],
+                check: Annotated[bool, typer.Option("--check/--no-check", help="Check pair compatibility from the remote headers first.")] = True):
+    """Download both files of a pair, or one hub model (progress, resume, sha256 check)."""
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
+
+    kind, obj = registry.resolve_name(name)
+    if kind == "hub":
+        sys.stderr.write(f"model: {download.ensure(hfname.resolve(obj))}\n")
+        return
+    if kind == "path":
+        raise UsageError(f"{name} is a local file: nothing to pull")
+    pair = obj
+    if check and pair.draft is not None and not download.offline():
+        _remote_compat(pair)
+    for role, spec in (("target", pair.target), ("draft", pair.draft)):
+        if spec is None:
+            continue
+        path = download.ensure(spec)
+        sys.stderr.write(f"{role}: {path}\n")
+
+
+def _remote_compat(pair) -> None:
+    """Pair check on the GGUF headers, read remotely (HTTP range requests) before fetching gigabytes."""
+    from localspec.models import download
+
+    why = download.remote_incompatibility(pair.target, pair.draft)
+    if why:
+        raise UsageError(f"pair {pair.name} cannot speculate: {why} (nothing was downloaded)")
+
+
+@models_app.command("rm")
+def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a downloaded hub model (OWNER/REPO:QUANT, hf://…).")],
+              yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask.")] = False,
+              keep_files: Annotated[bool, typer.Option("--keep-files", help="Remove your pair's entry only.")] = False,
+              files_only: Annotated[bool, typer.Option("--files-only", help="Delete the downloaded files only; keep your pair.")] = False):
+    """Remove a pair you added: its entry in pairs.toml and its downloaded files (asks first). For a shipped pair or
+    a hub model, delete the downloaded files. Your own local files, and files another pair uses, are never deleted."""
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
+
+    if keep_files and files_only:
+        raise UsageError("--keep-files and --files-only exclude each other")
+    pairs, _ = registry.load()
+    if name in pairs:
+        user = pairs[name].source != "shipped"
+        specs = [pairs[name].target, pairs[name].draft]
+    else:
+        hub = hfname.parse(name)
+        if hub is None:
+            registry.get(name)  # the unknown-pair error, with suggestions
+        user, specs = False, [hfname.cached_spec(hub)]
+    if keep_files and not user:
+        raise UsageError(f"{name} is not a pair you added: there is no entry to remove, only files")
+    drop_entry = user and not files_only
+    others = {download.local_path(s) for n, p in pairs.items() if n != name for s in (p.target, p.draft) if s is not None}
+    present, shared = [], []
+    for s in specs:
+        lp = None if keep_files or s is None or s.path else download.local_path(s)
+        if lp is not None:
+            (shared if lp in others else present).append((s, lp))
+
+    def keeping() -> None:
+        for _, lp in shared:
+            sys.stderr.write(f"keeping {lp}: another pair uses it\n")
+
+    if not present and not drop_entry:
+        keeping()
+        sys.stderr.write(f"{name}: nothing {'else ' if shared else ''}downloaded\n")
+        return
+    what = [f"remove pair {name} from {registry.user_pairs_file()}"] if drop_entry else []
+    if present:
+        size = sum(lp.stat().st_size for _, lp in present)
+        what.append(f"delete {len(present)} downloaded file(s), {size / 1e9:.2f} GB")
+    if not yes:
+        if not sys.stdin.isatty():
+            raise UsageError(f"refusing to {' and '.join(what)} without confirmation; pass --yes")
+        if not typer.confirm(" and ".join(what) + "?", err=True):
+            raise typer.Exit(1)
+    keeping()
+    if drop_entry:
+        registry.remove(name)
+        sys.stderr.write(f"removed pair {name}\n")
+    for s, _ in present:
+        for p in download.remove(s):
+            sys.stderr.write(f"removed {p}\n")
+
+
+@models_app.command("info")
+def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path.")],
+                as_json: Annotated[bool, typer.Option("--json")] = False):
+    """GGUF facts (architecture, size, quantization, context, vocab) and the pair's compatibility verdict."""
+    from localspec.models import download
+    from localspec.models import registry
+    from localspec.models.pair import first_difference
+    from localspec.models.gguf_header import read_file_metadata, summary, vocab_info
+
+    files: dict[str, Path] = {}
+    if registry.looks_like_path(what):
+        p = Path(what).expanduser()
+        if not p.is_file():
+            raise UsageError(f"no such file: {what}")
+        files["model"] = p
+    else:
+        pair = registry.get(what)
+        for role, spec in (("target", pair.target), ("draft", pair.draft)):
+            if spec is not None:
+                lp = download.local_path(spec)
+                if lp is None:
+                    raise UsageError(f"{what}: {role} {spec.label} is not downloaded; run `localspec models pull {what}`")
+                files[role] = lp
+    out, metas = {}, {}
+    for role, p in files.items():
+        metas[role] = read_file_metadata(p)
+        out[role] = {"path": str(p), "size": p.stat().st_size, **summary(metas[role])}
+    if "draft" in metas:
+        why = first_difference(vocab_info(metas["target"]), vocab_info(metas["draft"]))
+        out["compatible"] = why is None
+        out["difference"] = why
+    if as_json:
+        typer.echo(json.dumps(out, indent=1))
+        return
+    for role, facts in out.items():
+        if isinstance(facts, dict):
+            typer.echo(f"{role}:")
+            for k, v in facts.items():
+                typer.echo(f"  {k}: {v}")
+    if "compatible" in out:
+        typer.echo("pair: " + ("compatible (can speculate)" if out["compatible"] else f"INCOMPATIBLE: {out['difference']}"))
+
+
+@models_app.command("add")
+def models_add(
+    name: Annotated[str, typer.Argument(help="A name for the pair.")],
+    target: Annotated[str, typer.Option("--target", help="Local path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT]")],
+    draft: Annotated[Optional[str], typer.Option("--draft", help="Local path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT]")] = None,
+    k: Annotated[int, typer.Option("-k", help="Default draft tokens.")] = 4,
+    ctx: Annotated[int, typer.Option("--ctx", help="Default context size.")] = 4096,
+    description: Annotated[str, typer.Option("--description")] = "",
+):
+    """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
+    from localspec.models import download
+    from localspec.models import hubname as hfname
+    from localspec.models import registry
+
+    registry.check_name(name)
+    t = hfname.file_spec(target)
+    d = hfname.file_spec(draft) if draft else None
+    why = download.remote_incompatibility(t, d) if d is not None else None  # local files or remote headers
+    if why:
+        sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
+    path = registry.add(name, t, d, k=k, ctx=ctx, description=description)
+    sys.stderr.write(f"added pair {name} to {path}\n")
+

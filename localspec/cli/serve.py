@@ -1,0 +1,52 @@
+"""`localspec serve`: the pair behind an OpenAI-compatible HTTP API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, GpuOpt, KOpt, MethodOpt,
+                                    ModelOpt, RpcOpt, SplitOpt, TemplateOpt, ThreadsOpt, _opt, flags,
+                                    use_template)
+
+EPILOG = (
+    "Examples:\n\n"
+    "  localspec serve\n\n"
+    "  localspec serve -m ./model.gguf -d ./draft.gguf --port 8000\n\n"
+    "  LOCALSPEC_API_KEY=secret localspec serve --host 0.0.0.0"
+)
+
+
+def serve(
+    model: ModelOpt = None,
+    draft: DraftOpt = None,
+    method: MethodOpt = None,
+    draft_tokens: KOpt = None,
+    exactness: ExactnessOpt = None,
+    p_min: _opt("p_min", "--p-min", help="The draft model stops drafting when its top probability falls below this.") = None,
+    max_tokens: _opt("max_tokens", "-n", "--max-tokens", help="Default for requests without max_tokens.") = None,
+    temperature: _opt("temperature", "-t", "--temperature", "--temp", help="Default for requests without temperature (0 = greedy).") = None,
+    ctx_size: CtxOpt = None,
+    gpu_layers: GpuOpt = None,
+    draft_gpu_layers: DraftGpuOpt = None,
+    threads: ThreadsOpt = None,
+    rpc: RpcOpt = None,
+    tensor_split: SplitOpt = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback exposes the API.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8080,
+    api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
+    chat_template: TemplateOpt = None,
+):
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    from localspec.server.app import serve as run_server
+    from localspec.session import Session
+
+    sess = Session(flags(
+        model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
+        temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
+        exactness=exactness, rpc=rpc, tensor_split=tensor_split,
+    ))
+    use_template(sess, chat_template)
+    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue)
