@@ -85,6 +85,7 @@ def test_an_answer_interrupted_before_its_first_step_still_renders():
 
 def test_the_front_ends_render_through_the_report():
     """The server's usage and localspec objects and the chat's history record and answer line are the report's."""
+    from localspec.cli import render
     from localspec.server import openai
     from localspec.tui import notes
 
@@ -94,3 +95,6 @@ def test_the_front_ends_render_through_the_report():
     assert openai.usage(st) == report.openai_usage(st)
     assert notes.stats_record(st) == report.history_record(st)
     assert notes.answer_note(st) == report.answer_note(st)
+    engine = SimpleNamespace(target=SimpleNamespace(name="t.gguf"), draft=None, dropped_draft=None)
+    assert render.result_json(None, st, engine, cfg, text="x") == report.run_json(None, st, engine, cfg, text="x")
+    assert render.summary_line(st, "stop") == report.summary_line(st, "stop")

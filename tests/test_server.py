@@ -510,3 +510,34 @@ def test_per_request_speculation_options(served, plain):
         assert needle in str(info.value), (bad, str(info.value))
     r = c.completions.create(model="localspec", prompt=PROMPT, max_tokens=N, temperature=0)
     check_stats(r.model_extra["localspec"])  # the server's defaults again: draft, k <= 3
+
+
+def test_serve_command_lets_an_allowed_web_ui_in(target_path, tmp_path):
+    """--cors-origins and --max-k reach the server: an allowed origin's preflight is answered (no key needed), any
+    other origin is refused, and a k above --max-k is a 400 naming the field."""
+    env = _env(tmp_path / "cfg")
+    env["LOCALSPEC_API_KEY"] = "s3cret"
+    p, url, _ = _start(["-m", str(target_path), "--port", "0", "--method", "none", "--cors-origins",
+                        "http://ui.example:5173", "--max-k", "2"], env)
+    try:
+        port = int(url.rsplit(":", 1)[1])
+
+        def ask(method, path, headers, body=None):
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            return r.status, dict((k.lower(), v) for k, v in r.getheaders()), r.read()
+
+        pre = {"Origin": "http://ui.example:5173", "Access-Control-Request-Method": "POST",
+               "Access-Control-Request-Headers": "authorization, content-type"}
+        status, headers, _ = ask("OPTIONS", "/v1/chat/completions", pre)
+        assert status == 200 and headers.get("access-control-allow-origin") == "http://ui.example:5173"
+        body = json.dumps({"prompt": "hi", "max_tokens": 2, "localspec": {"k": 3}})
+        auth = {"Authorization": "Bearer s3cret", "Content-Type": "application/json"}
+        status, _, _ = ask("POST", "/v1/completions", {**auth, "Origin": "http://evil.example"}, body)
+        assert status == 403
+        status, _, data = ask("POST", "/v1/completions", {**auth, "Origin": "http://ui.example:5173"}, body)
+        assert status == 400 and json.loads(data)["error"]["param"] == "localspec.k"
+    finally:
+        p.terminate()
+        p.wait(30)

@@ -81,3 +81,9 @@ def config_unset(key: Annotated[str, typer.Argument(help="Setting name.")]):
     config.update_file(config.config_file(), drop)
     sys.stderr.write(f"{k} removed from {config.config_file()}\n" if found else f"{k} was not set in {config.config_file()}\n")
 
+
+
+@config_app.command("path")
+def config_path():
+    """Print the config file's path (without reading it: this works when the file is broken)."""
+    typer.echo(str(config.config_file()))

@@ -6,6 +6,10 @@ import sys
 import threading
 import time
 
+# the figures themselves are rendered by the one report of a generation (core/report.py)
+from localspec.core.report import live_line, rate_text, short_summary, summary_line  # noqa: F401
+from localspec.core.report import run_json as result_json  # noqa: F401
+
 
 class Status:
     """Live status on a terminal's stderr, plus the final summary. When the answer streams to the same terminal,
@@ -73,86 +77,3 @@ class Status:
                 sys.stderr.write("\x1b]0;localspec\x07" if self.in_title else "\r\x1b[2K")
                 sys.stderr.flush()
                 self._shown = False
-
-
-def rate_text(rate: float | None) -> str:
-    return "—" if rate is None else f"{rate:.1f}"
-
-
-def live_line(stats) -> str:
-    """The figures shown while an answer streams: live tokens/s over the answer so far."""
-    return (f"{rate_text(stats.rate()):>6} tok/s  accept {stats.acceptance_rate:4.0%}  "
-            f"{stats.tokens_per_pass:4.2f} tok/pass  {stats.completion_tokens} tok")
-
-
-def short_summary(stats, finish: str) -> str:
-    """The default end-of-run line, e.g. `128 tokens · 27.9 tok/s · 1.3x vs plain est. · 64% accepted`."""
-    parts = [f"{stats.completion_tokens} tokens", f"{rate_text(stats.rate())} tok/s"]
-    est = stats.speedup_estimate()
-    if est is not None:
-        parts.append(f"{est:.1f}x vs plain est.")
-    if stats.drafted:
-        parts.append(f"{stats.acceptance_rate:.0%} accepted")
-    else:
-        parts.append("no drafts")
-    if finish not in ("stop", "length"):
-        parts.append(finish)
-    if stats.rpc_workers:
-        parts.append(f"rpc workers: {', '.join(stats.rpc_workers)}")
-    if stats.drafted and stats.exactness:
-        parts.append({"bit": "bit-exact", "lossless": "lossless"}.get(stats.exactness, stats.exactness))
-    return " · ".join(parts)
-
-
-def summary_line(stats, finish: str) -> str:
-    used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
-    mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
-    return (
-        f"{stats.completion_tokens} tokens in {stats.elapsed_s:.2f}s | {rate_text(stats.rate())} tok/s | "
-        f"ttft {stats.ttft_s:.2f}s | accepted {stats.accepted}/{stats.drafted} ({stats.acceptance_rate:.0%}) | "
-        f"{stats.tokens_per_pass:.2f} tokens per target pass | mean accepted length {mal} | steps: {used} | {finish}"
-        + (f" | {stats.reason}" if stats.reason else "")
-        + (f" | rpc workers: {', '.join(stats.rpc_workers)}" if stats.rpc_workers else "")
-        + f" | {stats.exactness_reason or stats.exactness}"
-    )
-
-
-def result_json(fin, stats, engine, gen_cfg, interrupted=False, text: str = "") -> dict:
-    if stats is None:  # interrupted before the first step
-        from localspec.core.stats import Stats
-
-        stats = Stats()
-    return {
-        "text": fin.text if fin else text,
-        "finish_reason": "interrupted" if interrupted else fin.finish_reason,
-        "method": stats.main_method,
-        "requested_method": gen_cfg.method,
-        "draft_tokens": gen_cfg.k,
-        "k_requested": gen_cfg.k,
-        "k_in_use": stats.k_cap if stats is not None else None,
-        "target": engine.target.name,
-        "draft": engine.draft.name if engine.draft is not None else None,
-        "prompt_tokens": stats.prompt_tokens,
-        "cached_prompt_tokens": stats.cached_prompt_tokens,
-        "completion_tokens": stats.completion_tokens,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted,
-        "acceptance_rate": stats.acceptance_rate,
-        "tokens_per_pass": stats.tokens_per_pass,
-        "drafting_steps": stats.drafting_steps,
-        "mean_accepted_length": stats.mean_accepted_length,
-        "acceptance_by_position": stats.acceptance_by_position,
-        "ttft_s": stats.ttft_s,
-        "tokens_per_second": stats.measured_rate(),  # the display also hides samples under 50 ms
-        "elapsed_s": stats.elapsed_s,
-        "draft_s": stats.draft_s,
-        "verify_s": stats.verify_s,
-        "steps_by_method": dict(stats.method_used),
-        "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
-        "controller": stats.reason or None,
-        "exactness": stats.exactness,
-        "exactness_reason": stats.exactness_reason,
-        "draft_dropped": engine.dropped_draft,
-        "rpc_workers": list(stats.rpc_workers) if stats is not None else [],
-    }
-

@@ -81,10 +81,10 @@ def run(
     try:
         s = sess.values()
         gen_cfg = sess.gen_config(stop)
-        if engine.dropped_draft:
-            status.info(f"warning: {engine.dropped_draft}; using prompt lookup")
-        if engine.template_warning and not raw:
-            status.info(f"warning: {engine.template_warning}")
+        for note in sess.notices():
+            if raw and note == engine.template_warning:
+                continue  # a raw prompt uses no template
+            status.info(f"warning: {note}")
         if raw:
             tokens = engine.raw_prompt(text)
         else:

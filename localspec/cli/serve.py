@@ -38,6 +38,10 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
     chat_template: TemplateOpt = None,
+    allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", envvar="LOCALSPEC_ALLOWED_HOSTS", help="Host header names accepted besides the bound address and localhost, comma-separated (* = any; env LOCALSPEC_ALLOWED_HOSTS).", show_default=False)] = None,
+    cors_origins: Annotated[Optional[str], typer.Option("--cors-origins", help="Browser origins allowed to call the API, comma-separated, e.g. http://localhost:5173 (* = any; default: none).", show_default=False)] = None,
+    max_k: Annotated[Optional[int], typer.Option("--max-k", help="Largest per-request localspec.k (default: -k).", show_default=False)] = None,
+    strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
     from localspec.server.app import serve as run_server
@@ -49,4 +53,5 @@ def serve(
         exactness=exactness, rpc=rpc, tensor_split=tensor_split,
     ))
     use_template(sess, chat_template)
-    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue)
+    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue, allowed_hosts=allowed_hosts,
+               cors_origins=cors_origins or (), max_k=max_k, strict_model=strict_model)

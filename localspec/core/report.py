@@ -41,7 +41,29 @@ def figures(stats: Stats) -> dict:
         "exactness_reason": stats.exactness_reason,
         "controller": stats.reason or None,
         "rpc_workers": list(stats.rpc_workers),
+        # how rejected drafts were undone: kv (cache rows dropped), rs (a recurrent-state plane picked), checkpoint
+        # (recurrent state restored, accepted tokens decoded again) or none (plain decoding)
+        "rollback": stats.rollback,
+        "restores": stats.restores,
+        "replayed_tokens": stats.replayed_tokens,
+        "rs_rollbacks": stats.rs_rollbacks,
+        "checkpoint_bytes": stats.checkpoint_bytes,
+        "rollback_s": stats.rollback_s,
+        "draft_rollback": stats.draft_rollback or None,
+        "draft_restores": stats.draft_restores,
+        "draft_replayed_tokens": stats.draft_replayed_tokens,
     }
+
+
+def rollback_text(stats: Stats) -> str | None:
+    """How rejected drafts were undone, in words, for a recurrent or hybrid model (None for an ordinary one)."""
+    if stats.rollback in ("kv", ""):
+        return None
+    if stats.rollback == "rs":
+        return f"rollback: state planes ({stats.rs_rollbacks} rollbacks, {stats.restores} restores)"
+    if stats.rollback == "checkpoint":
+        return f"rollback: checkpoint ({stats.restores} restores, {stats.replayed_tokens} tokens replayed)"
+    return f"rollback: {stats.rollback}"
 
 
 def requested(cfg) -> dict:
@@ -77,7 +99,7 @@ def openai_usage(stats: Stats) -> dict:
 
 SERVER_FIELDS = ("tokens_per_second", "acceptance_rate", "tokens_per_pass", "mean_accepted_length", "method",
                  "drafted", "accepted", "target_passes", "ttft_s", "elapsed_s", "steps_by_method", "k_in_use",
-                 "acceptance_by_position", "exactness", "exactness_reason")
+                 "acceptance_by_position", "exactness", "exactness_reason", "rollback", "restores", "replayed_tokens")
 
 
 def server_object(stats: Stats, cfg) -> dict:
@@ -104,7 +126,7 @@ def history_record(stats: Stats) -> dict:
 
 BENCH_FIELDS = ("tokens_per_second", "ttft_s", "completion_tokens", "drafted", "accepted", "acceptance_rate",
                 "mean_accepted_length", "draft_s", "verify_s", "target_passes", "exactness", "drafting_steps",
-                "elapsed_s", "k_in_use")
+                "elapsed_s", "k_in_use", "rollback", "replayed_tokens")
 
 
 def bench_figures(stats: Stats) -> dict:
@@ -140,6 +162,9 @@ def short_summary(stats: Stats, finish: str) -> str:
         parts.append(f"rpc workers: {', '.join(stats.rpc_workers)}")
     if stats.drafted and stats.exactness:
         parts.append(EXACTNESS_WORDS.get(stats.exactness, stats.exactness))
+    rb = rollback_text(stats)
+    if rb and stats.drafted:
+        parts.append(rb)
     return " · ".join(parts)
 
 
@@ -153,6 +178,7 @@ def summary_line(stats: Stats, finish: str) -> str:
         f"{stats.tokens_per_pass:.2f} tokens per target pass | mean accepted length {mal} | steps: {used} | {finish}"
         + (f" | {stats.reason}" if stats.reason else "")
         + (f" | rpc workers: {', '.join(stats.rpc_workers)}" if stats.rpc_workers else "")
+        + (f" | {rollback_text(stats)}" if rollback_text(stats) else "")
         + f" | {stats.exactness_reason or stats.exactness}"
     )
 
