@@ -134,6 +134,7 @@ class Engine:
         self._lookup: PromptLookupDrafter | None = None
         self._draft_drafter: DraftModelDrafter | None = None
         self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
+        self.heads: dict[str, Drafter] = {}  # draft heads on the target's own context (eagle3, mtp), by method
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
         self._exact: dict[int, int] = {}
@@ -180,8 +181,26 @@ class Engine:
         target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=resolve_gpu_layers(gpu_layers), n_threads=threads,
                        rpc_servers=workers or None, tensor_split=split)
         draft = None
+        head = None
         try:
             if draft_path is not None:
+                from localspec.drafters.registry import HEADS
+                from localspec.llama.heads import HEAD_ARCHS, file_arch
+
+                kind = HEAD_ARCHS.get(file_arch(draft_path) or "")
+                if kind in HEADS:  # a draft head (EAGLE-3): it runs on the target's context, not as a model
+                    try:
+                        head = HEADS[kind].load(target, draft_path,
+                                                n_gpu_layers=resolve_gpu_layers(draft_gpu_layers))
+                    except IncompatibleDraftError as exc:
+                        if not drop_incompatible_draft:
+                            raise
+                        engine = cls(target, None, chat_template=chat_template)
+                        engine.dropped_draft = str(exc)
+                        return engine
+                    engine = cls(target, None, chat_template=chat_template)
+                    engine.heads[kind] = head
+                    return engine
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
                               n_threads=threads)
             try:
@@ -197,10 +216,15 @@ class Engine:
         except BaseException:
             if draft is not None:
                 draft.close()
+            if head is not None:
+                head.close()
             target.close()
             raise
 
     def close(self) -> None:
+        for h in self.heads.values():
+            h.close()
+        self.heads.clear()
         self.target.close()
         if self.draft is not None:
             self.draft.close()
@@ -270,11 +294,20 @@ class Engine:
             out["lookup"] = self.lookup_drafter(cfg)
         if method in ("auto", "draft") and self.draft is not None:
             out["draft"] = self.draft_drafter(cfg)
+        for kind, head in self.heads.items():
+            if method in ("auto", kind):
+                head.p_min = cfg.p_min
+                out[kind] = head
         return out
 
     def resolve_method(self, cfg: GenConfig) -> str:
         if cfg.method == "draft" and self.draft is None:
             raise SettingError("{method} draft needs a draft model ({draft})", ("method", "draft"))
+        from localspec.drafters.registry import HEADS
+
+        if cfg.method in HEADS and cfg.method not in self.heads:
+            raise SettingError(f"{{method}} {cfg.method} needs an {cfg.method} draft head ({{draft}} HEAD.gguf)",
+                               ("method", "draft"))
         return cfg.method
 
     def _after_decode(self, tokens: Sequence[int], start: int) -> None:
@@ -344,7 +377,7 @@ class Engine:
                 self.controller_state = {}
             return AdaptivePolicy(drafters, k, self.controller_state, None, self.verify_costs(k + 1)), method, k
         if method == "auto":
-            method = "draft" if "draft" in drafters else "lookup"
+            method = next(iter(self.heads), None) or ("draft" if "draft" in drafters else "lookup")
         return FixedPolicy(drafters[method], k), method, k
 
     # ------------------------------------------------------------- decoding
