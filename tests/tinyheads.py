@@ -60,7 +60,9 @@ def _out_for(emb, succ, n_vocab):
     return out
 
 
-def write_bigram_target(path: Path, seed: int, *, n_embd=64, n_layer=4, n_head=4, n_ff=128) -> Path:
+def write_bigram_target(path: Path, seed: int, *, n_embd=64, n_layer=4, n_head=4, n_ff=128, arch="llama") -> Path:
+    """The bigram target (see the module docstring); arch "qwen2" gives the same weights under an arch whose graph
+    does not extract layer inputs."""
     import gguf
 
     tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
@@ -71,7 +73,7 @@ def write_bigram_target(path: Path, seed: int, *, n_embd=64, n_layer=4, n_head=4
     def w(*shape):
         return (rng.standard_normal(shape) * 0.6 / np.sqrt(shape[-1])).astype(np.float16)
 
-    wr = gguf.GGUFWriter(str(path), "llama")
+    wr = gguf.GGUFWriter(str(path), arch)
     wr.add_name(f"bigram-{seed}")
     wr.add_context_length(2048)
     wr.add_embedding_length(n_embd)
