@@ -102,7 +102,7 @@ class Eagle3Drafter(Drafter):
         if prev is not None:  # the previous decode's deferred boundary, completed by this decode's first token
             rows.append((toks[0], pos0 - 1, prev, False))
         rows += [(toks[k + 1], pos0 + k, g[k], False) for k in range(m - 1)]
-        self.ctx.seq_rm(first)
+        self.ctx.prepare(first)
         for i in range(0, len(rows), step):
             self.ctx.process(heads.PROCESS_DECODE, rows[i:i + step])
         self._g, self._g_pos0 = g, pos0
@@ -122,7 +122,7 @@ class Eagle3Drafter(Drafter):
         k = min(k, max(room, 0))
         if k <= 0 or g is None:
             return Proposal()
-        self.ctx.seq_rm(P)
+        self.ctx.prepare(P)
         self.ctx.process(heads.PROCESS_DECODE, [(int(context[-1]), P, g, True)])
         tokens: list[int] = []
         qs: list[np.ndarray] = []

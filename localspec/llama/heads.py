@@ -67,6 +67,29 @@ def check_layer_inp_target(target, kind: str, layer_ids: Sequence[int]) -> None:
                                      f"{n_layer} layers")
 
 
+def n_nextn_of(model_ptr) -> int:
+    """How many MTP (nextn) layers a model's GGUF declares ({arch}.nextn_predict_layers; 0: none)."""
+    v = meta_str(model_ptr, f"{arch_of(model_ptr)}.nextn_predict_layers")
+    try:
+        return int(v) if v else 0
+    except ValueError:
+        return 0
+
+
+def file_nextn(path: str | os.PathLike) -> int:
+    """{arch}.nextn_predict_layers of a GGUF file, read from its header (0: none or unreadable)."""
+    try:
+        import gguf
+
+        r = gguf.GGUFReader(str(path))
+        f = r.fields.get("general.architecture")
+        arch = bytes(f.parts[f.data[0]]).decode() if f is not None else ""
+        n = r.fields.get(f"{arch}.nextn_predict_layers")
+        return int(n.parts[n.data[0]][0]) if n is not None else 0
+    except Exception:
+        return 0
+
+
 def n_layer_of(model_ptr) -> int:
     return int(lib.require().llama_model_n_layer(model_ptr))
 
@@ -179,6 +202,15 @@ class HeadContext:
 
     def clear(self) -> None:
         lib.ll.llama_memory_clear(self._mem, True)
+
+    def prepare(self, first: int) -> None:
+        """Make the next rows, from position `first` on, decodable: drop what the cache holds from there, and all
+        of it when it stops short of first - 1 (llama.cpp wants positions to continue the cache; the hidden states
+        of the gap are gone, which costs acceptance, never correctness)."""
+        self.seq_rm(first)
+        last = self.pos_max()
+        if last >= 0 and last != first - 1:
+            self.clear()
 
     def process(self, kind: int, rows: Sequence[tuple[int | None, int, np.ndarray | None, bool]]) -> None:
         """Decode (or encode) rows of (token or None, pos, embedding row or None, output?)."""
