@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import write_bigram_target, write_eagle3
+from tinyheads import write_bigram_target, write_eagle3, write_glm4moe_mtp
 from tinymodels import greedy_margins, write_model
 
 os.environ.setdefault("LOCALSPEC_NO_COST_CALIBRATION", "1")
@@ -236,5 +236,110 @@ def test_method_eagle3_without_a_head_is_a_setting_error(bigram):
     try:
         with pytest.raises(SettingError, match="eagle3"):
             e.resolve_method(GenConfig(method="eagle3"))
+    finally:
+        e.close()
+
+
+# ----------------------------------------------------------------- MTP
+@pytest.fixture(scope="module")
+def mtp_agree(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp.gguf", 7)  # wrong for 30% of the tokens
+
+
+@pytest.fixture(scope="module")
+def mtp_perfect(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp-perfect.gguf", 7, wrong=0.0)
+
+
+@pytest.fixture(scope="module")
+def mtp_random(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp-random.gguf", 7, mtp="random")
+
+
+def _mtp_run(path, prompt, **kw):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(path, n_ctx=512)
+    try:
+        assert list(e.heads) == ["mtp"], e.heads_unavailable
+        cfg = GenConfig(**{"method": "mtp", "max_tokens": N, "k": 4, "p_min": 0.0, "exactness": "lossless", **kw})
+        r = e.complete(e.raw_prompt(prompt), cfg)
+        plain = e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=N)).tokens
+        return r, plain
+    finally:
+        e.close()
+
+
+def test_mtp_is_detected_from_the_target(mtp_agree, bigram):
+    from localspec.llama.heads import file_nextn
+
+    assert file_nextn(mtp_agree) == 1 and file_nextn(bigram) == 0
+
+
+@pytest.mark.parametrize("which", ["random", "agree", "perfect"])
+def test_mtp_output_identical_to_plain(which, mtp_random, mtp_agree, mtp_perfect, bigram):
+    path = {"random": mtp_random, "agree": mtp_agree, "perfect": mtp_perfect}[which]
+    for prompt in PROMPTS:
+        r, plain = _mtp_run(path, prompt)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt  # the glm4moe trunk is the bigram target
+        s = r.stats
+        if which == "agree":
+            assert s.accepted > 0 and s.drafted > s.accepted  # acceptances and rollbacks
+        if which == "perfect":  # a layer that is always right: every drafted token accepted (plumbing exact)
+            assert s.drafted > 0 and s.accepted == s.drafted
+
+
+def test_mtp_flags_leave_target_logits_bit_identical(mtp_agree):
+    import numpy as np
+
+    from localspec.drafters.mtp import MtpDrafter
+    from localspec.llama.model import Model
+
+    with Model(mtp_agree, n_ctx=512, load_mtp=True) as t:
+        p = t.tokenize(PROMPTS[0])
+        before = [t.decode(p, "all"), t.decode([5, 6, 7], "all"), t.decode([9], "last")]
+        t.clear()
+        d = MtpDrafter.load(t)
+        try:
+            after = [t.decode(p, "all"), t.decode([5, 6, 7], "all"), t.decode([9], "last")]
+        finally:
+            d.close()
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)
+
+
+def test_mtp_in_auto_and_with_sampling(mtp_agree):
+    from localspec.core.sampling import SamplingParams
+
+    r, plain = _mtp_run(mtp_agree, PROMPTS[1], method="auto")
+    assert r.tokens == plain
+    r, _ = _mtp_run(mtp_agree, PROMPTS[1], sampling=SamplingParams(temperature=0.7, seed=3))
+    assert len(r.tokens) == N and r.stats.drafted > 0
+
+
+def test_mtp_missing_symbol_leaves_plain_decoding(monkeypatch, mtp_agree):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama import ext
+
+    monkeypatch.setattr(ext, "_missing", ["llama_get_embeddings_nextn"])
+    e = Engine.load(mtp_agree, n_ctx=512)
+    try:
+        assert not e.heads and "unavailable" in e.heads_unavailable["mtp"]
+        with pytest.raises(IncompatibleDraftError, match="--method mtp is unavailable"):
+            e.resolve_method(GenConfig(method="mtp"))
+        assert len(e.complete(e.raw_prompt("the"), GenConfig(method="lookup", max_tokens=8)).tokens) == 8
+    finally:
+        e.close()
+
+
+def test_method_mtp_on_a_target_without_mtp_layers(bigram):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import SettingError
+
+    e = Engine.load(bigram, n_ctx=512)
+    try:
+        with pytest.raises(SettingError, match="no MTP|MTP layers"):
+            e.resolve_method(GenConfig(method="mtp"))
     finally:
         e.close()
