@@ -343,3 +343,22 @@ def test_method_mtp_on_a_target_without_mtp_layers(bigram):
             e.resolve_method(GenConfig(method="mtp"))
     finally:
         e.close()
+
+
+# ----------------------------------------------------------------- DFlash
+def test_dflash_head_is_refused_with_one_line(heads_dir, bigram):
+    """DFlash heads are recognised from general.architecture but not driven yet: a clear refusal, no load attempt."""
+    import gguf
+
+    from localspec.core.engine import Engine
+    from localspec.errors import IncompatibleDraftError
+
+    path = heads_dir / "dflash.gguf"
+    wr = gguf.GGUFWriter(str(path), "dflash")
+    wr.add_uint32("dflash.block_size", 16)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(IncompatibleDraftError, match="dflash draft head"):
+        Engine.load(bigram, path, n_ctx=512)

@@ -11,6 +11,7 @@ import codecs
 import os
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -204,6 +205,9 @@ class Engine:
                     if not drop_incompatible_draft:
                         raise
                     dropped = unavailable[kind] = str(exc)
+            elif kind is not None:  # a head arch localspec cannot drive yet (dflash)
+                raise IncompatibleDraftError(f"{Path(draft_path).name} is a {kind} draft head, which localspec "
+                                             "cannot use yet (eagle3 and mtp heads are supported)")
             elif draft_path is not None:
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
                               n_threads=threads)
