@@ -23,7 +23,6 @@ import numpy as np
 from localspec.core.sampling import SamplingParams, probs, sample
 from localspec.drafters.base import Drafter, Proposal
 from localspec.errors import IncompatibleDraftError
-from localspec.llama import heads
 
 
 def top10_p(row: np.ndarray) -> float:
@@ -38,9 +37,10 @@ class Eagle3Drafter(Drafter):
     name = "eagle3"
     prior_alpha = 0.6
 
-    def __init__(self, target, head: "heads.HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
+    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
         """target: the loaded target Model; head: the eagle3 GGUF (heads.HeadModel). Raises IncompatibleDraftError
         (one line) for a build without the calls, a head that is not EAGLE-3 or a target it cannot read."""
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("eagle3")
         if head.arch != "eagle3":
             raise IncompatibleDraftError(f"{head.name} is a {head.arch} model, not an EAGLE-3 head")
@@ -77,6 +77,7 @@ class Eagle3Drafter(Drafter):
 
     # ---------------------------------------------------------------- hook
     def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         t0 = time.perf_counter()
         n = len(tokens)
         if n == 0:
@@ -116,6 +117,7 @@ class Eagle3Drafter(Drafter):
 
     # ------------------------------------------------------------- propose
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         P = len(context) - 2  # the last position the target holds: its g row pairs with the pending token
         g = self._g_at(P)
         room = self.target.n_ctx - len(context) - 1
@@ -148,6 +150,7 @@ class Eagle3Drafter(Drafter):
 
     @classmethod
     def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "Eagle3Drafter":
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("eagle3")
         head = heads.HeadModel(path, n_gpu_layers=n_gpu_layers)
         try:

@@ -22,7 +22,6 @@ from localspec.core.sampling import SamplingParams, probs, sample
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.eagle3 import top10_p
 from localspec.errors import IncompatibleDraftError
-from localspec.llama import heads
 
 
 class MtpDrafter(Drafter):
@@ -31,6 +30,7 @@ class MtpDrafter(Drafter):
 
     def __init__(self, target, *, p_min: float = 0.75, cost: float | None = None) -> None:
         """target: a Model loaded with load_mtp=True whose GGUF has nextn layers. Raises IncompatibleDraftError."""
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("mtp")
         n_nextn = heads.n_nextn_of(target._model)
         if n_nextn <= 0:
@@ -58,6 +58,7 @@ class MtpDrafter(Drafter):
         return self._h[pos - self._h_pos0]
 
     def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         t0 = time.perf_counter()
         n = len(tokens)
         if n == 0:
@@ -79,6 +80,7 @@ class MtpDrafter(Drafter):
         self.hook_calls += 1
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         pos0 = len(context) - 1  # the pending token's position
         h = self._h_at(pos0 - 1)
         room = self.target.n_ctx - len(context) - 1
@@ -110,5 +112,7 @@ class MtpDrafter(Drafter):
 
     @classmethod
     def load(cls, target, path=None, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "MtpDrafter":  # noqa: ARG003
+        from localspec.llama import heads
+
         # cost: one layer of the target's n_layer + 1 (a memory-bound first guess)
         return cls(target, p_min=p_min, cost=1.0 / (heads.n_layer_of(target._model) + 1))
