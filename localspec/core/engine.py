@@ -11,6 +11,7 @@ import codecs
 import os
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -134,6 +135,8 @@ class Engine:
         self._lookup: PromptLookupDrafter | None = None
         self._draft_drafter: DraftModelDrafter | None = None
         self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
+        self.heads: dict[str, Drafter] = {}  # draft heads on the target's own context (eagle3, mtp), by method
+        self.heads_unavailable: dict[str, str] = {}  # head kind -> why it could not be used with this target
         self.controller_state = None  # adaptive controller memory across generations
         self.dropped_draft: str | None = None
         self._probe: tuple[int, int] | None = None  # (upto, exact batch): one exactness probe per target
@@ -178,30 +181,62 @@ class Engine:
 
         workers = rpc_mod.parse_servers(rpc)  # Model checks each worker before llama.cpp connects
         split = rpc_mod.parse_tensor_split(tensor_split)
+        from localspec.drafters.registry import HEADS
+        from localspec.llama.heads import HEAD_ARCHS, file_arch, file_nextn
+
+        want_mtp = file_nextn(target_path) > 0  # the target has MTP layers: load them for the mtp drafter
         target = Model(target_path, n_ctx=n_ctx, n_gpu_layers=resolve_gpu_layers(gpu_layers), n_threads=threads,
-                       rpc_servers=workers or None, tensor_split=split)
+                       rpc_servers=workers or None, tensor_split=split, load_mtp=want_mtp)
         draft = None
+        heads: dict[str, Drafter] = {}
+        unavailable: dict[str, str] = {}
         try:
-            if draft_path is not None:
+            if want_mtp:
+                try:
+                    heads["mtp"] = HEADS["mtp"].load(target)
+                except IncompatibleDraftError as exc:
+                    unavailable["mtp"] = str(exc)
+            kind = HEAD_ARCHS.get(file_arch(draft_path) or "") if draft_path is not None else None
+            dropped = None
+            if kind in HEADS:  # a draft head (EAGLE-3): it runs on the target's context, not as a model
+                try:
+                    heads[kind] = HEADS[kind].load(target, draft_path,
+                                                   n_gpu_layers=resolve_gpu_layers(draft_gpu_layers))
+                except IncompatibleDraftError as exc:
+                    if not drop_incompatible_draft:
+                        raise
+                    dropped = unavailable[kind] = str(exc)
+            elif kind is not None:  # a head arch localspec cannot drive yet (dflash)
+                raise IncompatibleDraftError(f"{Path(draft_path).name} is a {kind} draft head, which localspec "
+                                             "cannot use yet (eagle3 and mtp heads are supported)")
+            elif draft_path is not None:
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
                               n_threads=threads)
             try:
-                return cls(target, draft, chat_template=chat_template)
+                engine = cls(target, draft, chat_template=chat_template)
             except IncompatibleDraftError as exc:
                 if not drop_incompatible_draft:
                     raise
                 draft.close()
                 draft = None
                 engine = cls(target, None, chat_template=chat_template)
-                engine.dropped_draft = str(exc)
-                return engine
+                dropped = str(exc)
+            engine.dropped_draft = dropped
+            engine.heads.update(heads)
+            engine.heads_unavailable.update(unavailable)
+            return engine
         except BaseException:
             if draft is not None:
                 draft.close()
+            for h in heads.values():
+                h.close()
             target.close()
             raise
 
     def close(self) -> None:
+        for h in self.heads.values():
+            h.close()
+        self.heads.clear()
         self.target.close()
         if self.draft is not None:
             self.draft.close()
@@ -272,11 +307,25 @@ class Engine:
             out["lookup"] = self.lookup_drafter(cfg)
         if method in ("auto", "draft") and self.draft is not None and _can_rollback(self.draft):
             out["draft"] = self.draft_drafter(cfg)
+        for kind, head in self.heads.items():
+            if method in ("auto", kind):
+                head.p_min = cfg.p_min
+                out[kind] = head
         return out
 
     def resolve_method(self, cfg: GenConfig) -> str:
         if cfg.method == "draft" and self.draft is None:
             raise SettingError("{method} draft needs a draft model ({draft})", ("method", "draft"))
+        from localspec.drafters.registry import HEADS
+
+        if cfg.method in HEADS and cfg.method not in self.heads:
+            if cfg.method in self.heads_unavailable:
+                raise IncompatibleDraftError(self.heads_unavailable[cfg.method])
+            if cfg.method == "mtp":
+                raise SettingError(f"{{method}} mtp needs a target with MTP layers; {self.target.name} has none",
+                                   "method")
+            raise SettingError(f"{{method}} {cfg.method} needs an {cfg.method} draft head ({{draft}} HEAD.gguf)",
+                               ("method", "draft"))
         return cfg.method
 
     def _after_decode(self, tokens: Sequence[int], start: int) -> None:
@@ -372,7 +421,7 @@ class Engine:
                                     bit_cap=bit_cap)
             return policy, method, k
         if method == "auto":
-            method = "draft" if "draft" in drafters else "lookup"
+            method = next(iter(self.heads), None) or ("draft" if "draft" in drafters else "lookup")
         return FixedPolicy(drafters[method], k), method, k
 
     # ------------------------------------------------------------- decoding

@@ -4,10 +4,16 @@ is one module beside these and one line here; the methods users may name follow 
 from __future__ import annotations
 
 from localspec.drafters.draft_model import DraftModelDrafter
+from localspec.drafters.eagle3 import Eagle3Drafter
+from localspec.drafters.mtp import MtpDrafter
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 
 KINDS: dict[str, type] = {
     "draft": DraftModelDrafter,  # a separate draft GGUF with the target's vocabulary
     "lookup": PromptLookupDrafter,  # n-grams of the prompt and answer so far
+    "eagle3": Eagle3Drafter,  # llama.cpp's EAGLE-3 head (-d HEAD.gguf of arch eagle3) on the target's hidden states
+    "mtp": MtpDrafter,  # the target's own MTP (nextn) layers, found in the target GGUF
 }
+# draft heads: drafters built from the target's own context (HEADS[kind] has .load(target, path, ...))
+HEADS: dict[str, type] = {"eagle3": Eagle3Drafter, "mtp": MtpDrafter}
 METHODS = ("auto", *KINDS, "none")  # auto: the controller picks among the drafters; none: plain decoding

@@ -65,6 +65,7 @@ class Model:
         n_batch: int = 512,
         rpc_servers: Sequence[str] | None = None,
         tensor_split: Sequence[float] | None = None,
+        load_mtp: bool = False,
     ) -> None:
         """rpc_servers: llama.cpp RPC workers ("HOST:PORT") that take this model's layers (all of them unless
         n_gpu_layers says how many; the rest stay on the local CPU), in tensor_split proportions (one per
@@ -107,6 +108,8 @@ class Model:
             mparams.tensor_split = ctypes.cast(ts, ctypes.POINTER(ctypes.c_float))
         self.tensor_split = list(tensor_split) if tensor_split else None
         mparams.n_gpu_layers = int(n_gpu_layers)
+        if load_mtp:  # the target's MTP (nextn) layers, for an MTP draft context on this model (llama/heads.py)
+            mparams.load_mtp = True
         self.n_gpu_layers = int(n_gpu_layers)
         if os.environ.get("LOCALSPEC_NO_REPACK"):
             # work-around for CPUs where the native build's AMX path crashes (see README)

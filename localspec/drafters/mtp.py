@@ -1,0 +1,118 @@
+"""MTP: the target's own multi-token-prediction (nextn) layer as the drafter (llama.cpp's `draft-mtp`).
+
+As common/speculative.cpp does it at the vendored commit (one trained head; chained heads are not driven yet):
+- the target is loaded with `load_mtp`, and a second context on the same model has ctx_type MTP;
+- the target context outputs its nextn hidden state for every row (llama_set_embeddings_nextn(ctx, true, false));
+- after every target decode the MTP context decodes the pairs (token[k], h[k-1]) at position pos[k] (the first
+  token pairs with the previous decode's row at pos[0] - 1), so its KV follows the target's;
+- propose() decodes (pending, h[P]) at the pending position, then each drafted token with the MTP layer's own
+  hidden state.
+
+As with EAGLE-3 the h row is looked up by position in the last decode's rows: no accept() feedback is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.drafters.base import Drafter, Proposal
+from localspec.drafters.eagle3 import top10_p
+from localspec.errors import IncompatibleDraftError
+
+
+class MtpDrafter(Drafter):
+    name = "mtp"
+    prior_alpha = 0.7
+
+    def __init__(self, target, *, p_min: float = 0.75, cost: float | None = None) -> None:
+        """target: a Model loaded with load_mtp=True whose GGUF has nextn layers. Raises IncompatibleDraftError."""
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        heads.require_head("mtp")
+        n_nextn = heads.n_nextn_of(target._model)
+        if n_nextn <= 0:
+            raise IncompatibleDraftError(f"{target.name} has no MTP (nextn) layers")
+        self.target = target
+        self.p_min = p_min
+        self._cost = cost
+        self.n_embd = heads.n_embd_of(target._model)
+        self.ctx = heads.HeadContext(target._model, n_ctx=target.n_ctx, n_batch=target.n_batch,
+                                     n_threads=target.n_threads, kv_type=target.kv_type,
+                                     ctx_type=heads.CONTEXT_TYPE_MTP, name=f"{target.name} (MTP)")
+        heads.set_nextn(target._ctx, True, False)
+        heads.set_nextn(self.ctx.ctx, True, True)
+        self._h: np.ndarray | None = None
+        self._h_pos0 = 0
+        self.hook_s = 0.0
+        self.hook_calls = 0
+
+    def cost(self) -> float | None:
+        return self._cost
+
+    def _h_at(self, pos: int) -> np.ndarray | None:
+        if self._h is None or pos < self._h_pos0 or pos >= self._h_pos0 + len(self._h):
+            return None
+        return self._h[pos - self._h_pos0]
+
+    def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        t0 = time.perf_counter()
+        n = len(tokens)
+        if n == 0:
+            return
+        m = (n - 1) % self.target.n_batch + 1  # only the last n_batch chunk's hidden states are left
+        toks = [int(t) for t in tokens[n - m:]]
+        pos0 = int(positions[n - m])
+        h = heads.nextn_rows(self.target._ctx, m, self.n_embd).copy()
+        prev = self._h_at(pos0 - 1)
+        rows = [(toks[0], pos0, prev, False)] if prev is not None else []
+        rows += [(toks[k], pos0 + k, h[k - 1], False) for k in range(1, m)]
+        if rows:
+            self.ctx.prepare(rows[0][1])
+            step = self.ctx.n_ubatch
+            for i in range(0, len(rows), step):
+                self.ctx.process(heads.PROCESS_DECODE, rows[i:i + step])
+        self._h, self._h_pos0 = h, pos0
+        self.hook_s += time.perf_counter() - t0
+        self.hook_calls += 1
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        pos0 = len(context) - 1  # the pending token's position
+        h = self._h_at(pos0 - 1)
+        room = self.target.n_ctx - len(context) - 1
+        k = min(k, max(room, 0))
+        if k <= 0 or h is None:
+            return Proposal()
+        self.ctx.prepare(pos0)
+        self.ctx.process(heads.PROCESS_DECODE, [(int(context[-1]), pos0, h, True)])
+        tokens: list[int] = []
+        qs: list[np.ndarray] = []
+        for i in range(k):
+            row = self.ctx.logits(0)
+            if self.p_min > 0.0 and top10_p(row) < self.p_min:
+                break
+            if sp.greedy:
+                t = int(np.argmax(row))
+            else:
+                q = probs(row, sp)
+                t = sample(q, rng)
+                qs.append(q)
+            tokens.append(t)
+            if i < k - 1:
+                hn = self.ctx.nextn_ith(0, self.n_embd)
+                self.ctx.process(heads.PROCESS_DECODE, [(t, pos0 + 1 + i, hn, True)])
+        return Proposal(tokens, np.stack(qs) if qs else None)
+
+    def close(self) -> None:
+        self.ctx.close()  # the model is the target's
+
+    @classmethod
+    def load(cls, target, path=None, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "MtpDrafter":  # noqa: ARG003
+        from localspec.llama import heads
+
+        # cost: one layer of the target's n_layer + 1 (a memory-bound first guess)
+        return cls(target, p_min=p_min, cost=1.0 / (heads.n_layer_of(target._model) + 1))

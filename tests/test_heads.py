@@ -1,0 +1,364 @@
+"""llama.cpp's own draft heads as localspec drafters: the llama-ext.h bindings, the refusals that keep the process
+alive, and EAGLE-3 on fabricated models (output identical to plain decoding with random heads and with a head that
+agrees with the target, so acceptances and rollbacks really happen)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tinyheads import write_bigram_target, write_eagle3, write_glm4moe_mtp
+from tinymodels import greedy_margins, write_model
+
+os.environ.setdefault("LOCALSPEC_NO_COST_CALIBRATION", "1")
+
+PROMPTS = ["the cat and the dog", "def f(x): return x", "Once upon a time"]
+N = 40
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("heads")
+
+
+@pytest.fixture(scope="module")
+def random4(heads_dir) -> Path:
+    """A random llama target with 4 layers whose greedy top-2 margins are wide on the test prompts."""
+    from localspec.llama.model import Model
+
+    for seed in range(1, 40):
+        path = write_model(heads_dir / "random4.gguf", seed, n_layer=4)
+        with Model(path, n_ctx=512) as m:
+            if min(greedy_margins(m, m.tokenize(p), N + 8)[1] for p in PROMPTS) >= 0.05:
+                return path
+    raise RuntimeError("no seed with wide margins")
+
+
+@pytest.fixture(scope="module")
+def random_head(heads_dir) -> Path:
+    return write_eagle3(heads_dir / "eagle3-random.gguf", 11)
+
+
+@pytest.fixture(scope="module")
+def bigram(heads_dir) -> Path:
+    return write_bigram_target(heads_dir / "bigram.gguf", 7)
+
+
+@pytest.fixture(scope="module")
+def agreeing_head(heads_dir) -> Path:
+    return write_eagle3(heads_dir / "eagle3-agree.gguf", 3, agree_with=7)
+
+
+def _plain(path, prompt, n=N):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(path, n_ctx=512)
+    try:
+        return e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=n)).tokens
+    finally:
+        e.close()
+
+
+# ----------------------------------------------------------------- the build
+def test_struct_offsets_match_llama_h():
+    """llama-cpp-python's ctypes structs put the head fields where llama.h (0.3.36) does."""
+    from localspec.llama import ext
+    from localspec.llama.lib import ll
+
+    assert ll.llama_model_params.load_mtp.offset == 77 and ctypes.sizeof(ll.llama_model_params) == 80
+    assert ll.llama_context_params.ctx_type.offset == 36
+    assert ll.llama_context_params.ctx_other.offset == 152 and ctypes.sizeof(ll.llama_context_params) == 160
+    assert ext.layout_ok() is None
+
+
+def test_this_build_has_every_symbol():
+    from localspec.llama import ext
+
+    assert ext.missing() == []
+    assert ext.heads_available() == {"eagle3": None, "mtp": None, "dflash": None}
+
+
+def test_missing_symbol_makes_the_head_unavailable_and_others_still_work(monkeypatch, bigram, agreeing_head):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama import ext
+
+    monkeypatch.setattr(ext, "_missing", ["llama_get_embeddings_layer_inp"])
+    why = ext.heads_available()
+    assert why["eagle3"] and "llama_get_embeddings_layer_inp" in why["eagle3"]
+    assert why["mtp"] is None
+    with pytest.raises(IncompatibleDraftError, match="--method eagle3 is unavailable"):
+        Engine.load(bigram, agreeing_head, n_ctx=512)
+    e = Engine.load(bigram, agreeing_head, n_ctx=512, drop_incompatible_draft=True)  # auto: keeps going
+    try:
+        assert "unavailable" in e.dropped_draft and not e.heads
+        out = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="lookup", max_tokens=N)).tokens
+    finally:
+        e.close()
+    assert out == _plain(bigram, PROMPTS[0])
+
+
+def test_unsupported_target_arch_is_refused_with_one_line(heads_dir, agreeing_head):
+    """qwen2's graph does not fill layer_inp: llama.cpp aborts the process if the flag is set; localspec refuses
+    the pair before, with one error line and exit 1 (no abort, no traceback)."""
+    q2 = write_bigram_target(heads_dir / "qwen2.gguf", 7, arch="qwen2")
+    r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(q2), "-d", str(agreeing_head),
+                        "--method", "eagle3", "-n", "4", "--raw", "the cat"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "qwen2" in lines[0], r.stderr
+    assert "aborted" not in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unsupported_target_arch_in_process(heads_dir, agreeing_head):
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama.model import Model
+
+    q2 = write_bigram_target(heads_dir / "qwen2b.gguf", 7, arch="qwen2")
+    with Model(q2, n_ctx=256) as t:
+        with pytest.raises(IncompatibleDraftError, match="qwen2"):
+            Eagle3Drafter.load(t, agreeing_head)
+        t.decode([1, 5, 6])  # no flag was set: the target still decodes
+
+
+# ----------------------------------------------------------------- EAGLE-3
+def test_head_is_detected_from_the_file(bigram, agreeing_head, random_head):
+    from localspec.llama.heads import file_arch
+
+    assert file_arch(agreeing_head) == "eagle3" and file_arch(random_head) == "eagle3"
+    assert file_arch(bigram) == "llama"
+
+
+def test_extraction_flags_leave_target_logits_bit_identical(random4, random_head):
+    import numpy as np
+
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.llama.model import Model
+
+    with Model(random4, n_ctx=512) as t:
+        p = t.tokenize(PROMPTS[1])
+        before = [t.decode(p, "all")]
+        before.append(t.decode([5, 6, 7, 8], "all"))
+        t.clear()
+        d = Eagle3Drafter.load(t, random_head)  # sets the layer-input flags on the target's context
+        try:
+            after = [t.decode(p, "all"), t.decode([5, 6, 7, 8], "all")]
+        finally:
+            d.close()
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("exactness", ["lossless", "auto"])
+def test_random_head_output_identical_to_plain(random4, random_head, exactness):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(random4, random_head, n_ctx=512)
+    try:
+        assert list(e.heads) == ["eagle3"]
+        for prompt in PROMPTS:
+            cfg = GenConfig(method="eagle3", max_tokens=N, k=4, p_min=0.0, exactness=exactness)
+            r = e.complete(e.raw_prompt(prompt), cfg)
+            assert r.tokens == _plain(random4, prompt), prompt
+            assert r.stats.method == "eagle3"
+    finally:
+        e.close()
+
+
+def test_agreeing_head_accepts_and_rolls_back(bigram, agreeing_head):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(bigram, agreeing_head, n_ctx=512)
+    try:
+        for prompt in PROMPTS:
+            r = e.complete(e.raw_prompt(prompt), GenConfig(method="eagle3", max_tokens=N, k=3, p_min=0.0,
+                                                            exactness="lossless"))
+            assert r.tokens == _plain(bigram, prompt), prompt
+            s = r.stats
+            assert s.accepted > 0, "the head agrees with the target: its first token must be accepted"
+            assert s.drafted > s.accepted, "its later tokens are wrong: rollbacks must happen"
+            assert s.method_used["eagle3"] > 0
+        d = e.heads["eagle3"]
+        assert d.hook_calls > 0
+    finally:
+        e.close()
+
+
+def test_auto_uses_the_head_and_stays_exact(bigram, agreeing_head):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(bigram, agreeing_head, n_ctx=512)
+    try:
+        cfg = GenConfig(method="auto", max_tokens=N, k=3, exactness="lossless")
+        assert "eagle3" in e.drafters_for(cfg, "auto")
+        r = e.complete(e.raw_prompt(PROMPTS[2]), cfg)
+        assert r.tokens == _plain(bigram, PROMPTS[2])
+    finally:
+        e.close()
+
+
+def test_long_prompt_in_chunks_and_sampling(bigram, agreeing_head):
+    """A prompt longer than n_batch (the hook sees only the last chunk's hidden states) and temperature > 0 (the
+    head's distribution goes through the same rejection sampling)."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.core.sampling import SamplingParams
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.llama.model import Model
+
+    t = Model(bigram, n_ctx=512, n_batch=16)
+    e = Engine(t)
+    e.heads["eagle3"] = Eagle3Drafter.load(t, agreeing_head)
+    try:
+        prompt = e.raw_prompt(" ".join(PROMPTS * 3))
+        assert len(prompt) > 16
+        r = e.complete(prompt, GenConfig(method="eagle3", max_tokens=N, k=3, p_min=0.0, exactness="lossless"))
+        assert r.tokens == _plain(bigram, " ".join(PROMPTS * 3))
+        assert r.stats.accepted > 0
+        r = e.complete(prompt, GenConfig(method="eagle3", max_tokens=N, k=3, p_min=0.0, exactness="lossless",
+                                         sampling=SamplingParams(temperature=0.8, seed=5)))
+        assert len(r.tokens) == N and r.stats.drafted > 0
+    finally:
+        e.close()
+
+
+def test_method_eagle3_without_a_head_is_a_setting_error(bigram):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import SettingError
+
+    e = Engine.load(bigram, n_ctx=512)
+    try:
+        with pytest.raises(SettingError, match="eagle3"):
+            e.resolve_method(GenConfig(method="eagle3"))
+    finally:
+        e.close()
+
+
+# ----------------------------------------------------------------- MTP
+@pytest.fixture(scope="module")
+def mtp_agree(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp.gguf", 7)  # wrong for 30% of the tokens
+
+
+@pytest.fixture(scope="module")
+def mtp_perfect(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp-perfect.gguf", 7, wrong=0.0)
+
+
+@pytest.fixture(scope="module")
+def mtp_random(heads_dir) -> Path:
+    return write_glm4moe_mtp(heads_dir / "glm-mtp-random.gguf", 7, mtp="random")
+
+
+def _mtp_run(path, prompt, **kw):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(path, n_ctx=512)
+    try:
+        assert list(e.heads) == ["mtp"], e.heads_unavailable
+        cfg = GenConfig(**{"method": "mtp", "max_tokens": N, "k": 4, "p_min": 0.0, "exactness": "lossless", **kw})
+        r = e.complete(e.raw_prompt(prompt), cfg)
+        plain = e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=N)).tokens
+        return r, plain
+    finally:
+        e.close()
+
+
+def test_mtp_is_detected_from_the_target(mtp_agree, bigram):
+    from localspec.llama.heads import file_nextn
+
+    assert file_nextn(mtp_agree) == 1 and file_nextn(bigram) == 0
+
+
+@pytest.mark.parametrize("which", ["random", "agree", "perfect"])
+def test_mtp_output_identical_to_plain(which, mtp_random, mtp_agree, mtp_perfect, bigram):
+    path = {"random": mtp_random, "agree": mtp_agree, "perfect": mtp_perfect}[which]
+    for prompt in PROMPTS:
+        r, plain = _mtp_run(path, prompt)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt  # the glm4moe trunk is the bigram target
+        s = r.stats
+        if which == "agree":
+            assert s.accepted > 0 and s.drafted > s.accepted  # acceptances and rollbacks
+        if which == "perfect":  # a layer that is always right: every drafted token accepted (plumbing exact)
+            assert s.drafted > 0 and s.accepted == s.drafted
+
+
+def test_mtp_flags_leave_target_logits_bit_identical(mtp_agree):
+    import numpy as np
+
+    from localspec.drafters.mtp import MtpDrafter
+    from localspec.llama.model import Model
+
+    with Model(mtp_agree, n_ctx=512, load_mtp=True) as t:
+        p = t.tokenize(PROMPTS[0])
+        before = [t.decode(p, "all"), t.decode([5, 6, 7], "all"), t.decode([9], "last")]
+        t.clear()
+        d = MtpDrafter.load(t)
+        try:
+            after = [t.decode(p, "all"), t.decode([5, 6, 7], "all"), t.decode([9], "last")]
+        finally:
+            d.close()
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)
+
+
+def test_mtp_in_auto_and_with_sampling(mtp_agree):
+    from localspec.core.sampling import SamplingParams
+
+    r, plain = _mtp_run(mtp_agree, PROMPTS[1], method="auto")
+    assert r.tokens == plain
+    r, _ = _mtp_run(mtp_agree, PROMPTS[1], sampling=SamplingParams(temperature=0.7, seed=3))
+    assert len(r.tokens) == N and r.stats.drafted > 0
+
+
+def test_mtp_missing_symbol_leaves_plain_decoding(monkeypatch, mtp_agree):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama import ext
+
+    monkeypatch.setattr(ext, "_missing", ["llama_get_embeddings_nextn"])
+    e = Engine.load(mtp_agree, n_ctx=512)
+    try:
+        assert not e.heads and "unavailable" in e.heads_unavailable["mtp"]
+        with pytest.raises(IncompatibleDraftError, match="--method mtp is unavailable"):
+            e.resolve_method(GenConfig(method="mtp"))
+        assert len(e.complete(e.raw_prompt("the"), GenConfig(method="lookup", max_tokens=8)).tokens) == 8
+    finally:
+        e.close()
+
+
+def test_method_mtp_on_a_target_without_mtp_layers(bigram):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import SettingError
+
+    e = Engine.load(bigram, n_ctx=512)
+    try:
+        with pytest.raises(SettingError, match="no MTP|MTP layers"):
+            e.resolve_method(GenConfig(method="mtp"))
+    finally:
+        e.close()
+
+
+# ----------------------------------------------------------------- DFlash
+def test_dflash_head_is_refused_with_one_line(heads_dir, bigram):
+    """DFlash heads are recognised from general.architecture but not driven yet: a clear refusal, no load attempt."""
+    import gguf
+
+    from localspec.core.engine import Engine
+    from localspec.errors import IncompatibleDraftError
+
+    path = heads_dir / "dflash.gguf"
+    wr = gguf.GGUFWriter(str(path), "dflash")
+    wr.add_uint32("dflash.block_size", 16)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    with pytest.raises(IncompatibleDraftError, match="dflash draft head"):
+        Engine.load(bigram, path, n_ctx=512)

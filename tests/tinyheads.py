@@ -1,0 +1,257 @@
+"""Fabricate tiny targets with draft heads (EAGLE-3 drafts, MTP layers) for the draft-head tests.
+
+Two kinds of target:
+- random: tinymodels.write_model with 4 layers (a head on it is random too: mostly rejections);
+- bigram: every block adds nothing (attn_output and ffn_down are zero), so the residual stream at every layer is the
+  token's embedding and the next token is pi(t) for a fixed permutation pi of the word tokens (output row pi(t) is
+  emb[t]). A head "agrees" with it when its own output maps a hidden state emb[t] to pi(pi(t)): the EAGLE-3 head
+  sees g_P = emb[t_P] and must name t_{P+2}; the MTP layer sees h_P = emb[t_P] with token t_{P+1}.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tinymodels import CHATML, vocab
+
+N_SPECIAL = 5  # <unk> <s> </s> <|im_start|> <|im_end|>: never generated
+
+
+def _vocab_kv(wr, tokens, scores, types, chat_template=CHATML):
+    wr.add_tokenizer_model("llama")
+    wr.add_token_list(tokens)
+    wr.add_token_scores(scores)
+    wr.add_token_types(types)
+    wr.add_unk_token_id(0)
+    wr.add_bos_token_id(1)
+    wr.add_eos_token_id(2)
+    wr.add_add_bos_token(True)
+    wr.add_add_eos_token(False)
+    if chat_template is not None:
+        wr.add_chat_template(chat_template)
+
+
+def _finish(wr):
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+
+
+def bigram_parts(seed: int, n_embd: int = 64):
+    """(tokens, scores, types, emb, pi): the bigram target's vocabulary, embeddings and successor permutation."""
+    tokens, scores, types = vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+    words = np.arange(N_SPECIAL, n_vocab)
+    pi = np.arange(n_vocab)
+    pi[words] = rng.permutation(words)  # successor of word token t
+    return tokens, scores, types, emb, pi
+
+
+def _out_for(emb, succ, n_vocab):
+    """An output matrix whose argmax on hidden state emb[t] is succ[t] (for word tokens t)."""
+    out = np.zeros((n_vocab, emb.shape[1]), dtype=np.float32)
+    for t in range(N_SPECIAL, n_vocab):
+        out[succ[t]] = emb[t] * (4.0 / np.sqrt(emb.shape[1]))
+    return out
+
+
+def write_bigram_target(path: Path, seed: int, *, n_embd=64, n_layer=4, n_head=4, n_ff=128, arch="llama") -> Path:
+    """The bigram target (see the module docstring); arch "qwen2" gives the same weights under an arch whose graph
+    does not extract layer inputs."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 1)
+    head_dim = n_embd // n_head
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.6 / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), arch)
+    wr.add_name(f"bigram-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_layer)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    zero = np.zeros((n_embd, n_embd), dtype=np.float16)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        wr.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", zero)
+        wr.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", np.zeros((n_embd, n_ff), dtype=np.float16))
+    wr.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path
+
+
+def write_eagle3(path: Path, seed: int, *, agree_with: int | None = None, layers=(0, 1, 3), n_embd=64, n_embd_tgt=64,
+                 n_head=4, n_ff=128, reduced_vocab: bool = True) -> Path:
+    """An `eagle3` draft GGUF for a 4-layer target with n_embd_tgt. Random weights, or (agree_with=SEED of the bigram
+    target) a head whose own output names t_{P+2} from g_P = emb[t_P]: fc copies the first extracted layer, the
+    block adds nothing. reduced_vocab: a `d2t` map over the word tokens only (the draft vocabulary is smaller)."""
+    import gguf
+
+    tokens, scores, types = vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+    head_dim = n_embd // n_head
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), "eagle3")
+    wr.add_name(f"eagle3-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(1)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_file_type(1)
+    wr.add_array("eagle3.target_layers", [int(x) for x in layers])
+    wr.add_uint32("eagle3.target_hidden_size", n_embd_tgt)
+    _vocab_kv(wr, tokens, scores, types)
+    d2t = np.arange(N_SPECIAL, n_vocab, dtype=np.int64) if reduced_vocab else np.arange(n_vocab, dtype=np.int64)
+    if agree_with is not None:
+        _, _, _, emb, pi = bigram_parts(agree_with, n_embd_tgt)
+        assert n_embd == n_embd_tgt
+        fc = np.zeros((n_embd, 3 * n_embd_tgt), dtype=np.float16)
+        fc[:, :n_embd_tgt] = np.eye(n_embd, dtype=np.float16)
+        wo = np.zeros((n_embd, n_embd), dtype=np.float16)
+        down = np.zeros((n_embd, n_ff), dtype=np.float16)
+        out_full = _out_for(emb, pi[pi], n_vocab)  # emb[t] -> pi(pi(t))
+        out = out_full[d2t]
+    else:
+        fc = w(n_embd, 3 * n_embd_tgt)
+        wo = w(n_embd, n_embd)
+        down = w(n_embd, n_ff)
+        out = rng.standard_normal((len(d2t), n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+    wr.add_tensor("fc.weight", fc)
+    p = "blk.0."
+    wr.add_tensor(p + "attn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor(p + "attn_norm_2.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor(p + "attn_q.weight", w(n_embd, 2 * n_embd))
+    wr.add_tensor(p + "attn_k.weight", w(n_embd, 2 * n_embd))
+    wr.add_tensor(p + "attn_v.weight", w(n_embd, 2 * n_embd))
+    wr.add_tensor(p + "attn_output.weight", wo)
+    wr.add_tensor(p + "ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_down.weight", down)
+    wr.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
+    wr.add_tensor("output.weight", out.astype(np.float16))
+    wr.add_tensor("d2t", d2t)
+    _finish(wr)
+    return path
+
+
+def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,
+                      n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=32, n_trunk=2) -> Path:
+    """A `glm4moe` target whose last block is one MTP (nextn) layer, MoE like the trunk's layer 1 (layer 0 is dense).
+    The trunk is the bigram target of `seed` (blocks add nothing, next token pi(t)). mtp="agree": the MTP layer
+    names pi(t_{P+1}) from the token it is given (eh_proj keeps the token half, the block adds nothing), through its
+    own shared head, which is wrong for a `wrong` fraction of the tokens (so rollbacks happen); mtp="random": random
+    weights (mostly rejections)."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 2)
+    head_dim = n_embd // n_head
+    n_all = n_trunk + 1
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.float16)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    wr = gguf.GGUFWriter(str(path), "glm4moe")
+    wr.add_name(f"glm4moe-mtp-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_all)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_expert_feed_forward_length(n_ff_exp)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_expert_count(n_expert)
+    wr.add_expert_used_count(n_expert_used)
+    wr.add_expert_shared_count(1)
+    wr.add_leading_dense_block_count(1)
+    wr.add_expert_weights_norm(True)
+    wr.add_expert_weights_scale(1.0)
+    wr.add_uint32("glm4moe.nextn_predict_layers", 1)
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i in range(n_all):
+        p = f"blk.{i}."
+        is_mtp = i == n_trunk
+        rand = is_mtp and mtp == "random"
+        wr.add_tensor(p + "attn_norm.weight", ones)
+        wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd) if rand else z(n_embd, n_embd))
+        wr.add_tensor(p + "post_attention_norm.weight", ones)
+        if i == 0:  # dense
+            wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+            wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+            wr.add_tensor(p + "ffn_down.weight", z(n_embd, n_ff))
+        else:  # MoE (the MTP layer must be: its graph has no dense branch)
+            wr.add_tensor(p + "ffn_gate_inp.weight", rng.standard_normal((n_expert, n_embd)).astype(np.float32))
+            wr.add_tensor(p + "exp_probs_b.bias", np.zeros(n_expert, dtype=np.float32))
+            wr.add_tensor(p + "ffn_gate_exps.weight", w(n_expert, n_ff_exp, n_embd))
+            wr.add_tensor(p + "ffn_up_exps.weight", w(n_expert, n_ff_exp, n_embd))
+            wr.add_tensor(p + "ffn_down_exps.weight", w(n_expert, n_embd, n_ff_exp) if rand
+                          else z(n_expert, n_embd, n_ff_exp))
+            wr.add_tensor(p + "ffn_gate_shexp.weight", w(n_ff_exp, n_embd))
+            wr.add_tensor(p + "ffn_up_shexp.weight", w(n_ff_exp, n_embd))
+            wr.add_tensor(p + "ffn_down_shexp.weight", w(n_embd, n_ff_exp) if rand else z(n_embd, n_ff_exp))
+        if is_mtp:
+            if rand:
+                eh = w(n_embd, 2 * n_embd)
+                head = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+            else:
+                eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float16)
+                eh[:, :n_embd] = np.eye(n_embd, dtype=np.float16)  # the token's half: emb[t_{P+1}]
+                succ = pi.copy()
+                words = np.arange(N_SPECIAL, n_vocab)
+                bad = rng.choice(words, int(wrong * len(words)), replace=False)
+                succ[bad] = pi[pi[bad]]  # wrong successors for these tokens
+                head = _out_for(emb, succ, n_vocab)
+            wr.add_tensor(p + "nextn.eh_proj.weight", eh)
+            wr.add_tensor(p + "nextn.enorm.weight", ones)
+            wr.add_tensor(p + "nextn.hnorm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_head.weight", head.astype(np.float16))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path
