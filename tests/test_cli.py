@@ -218,3 +218,21 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     assert localspec_stats(st, GenConfig())["tokens_per_second"] == pytest.approx(600.0)
     one = Stats(completion_tokens=1, elapsed_s=0.02)  # one token has no rate (#15.14)
     assert result_json(fin, one, eng, GenConfig())["tokens_per_second"] is None
+
+
+def test_models_info_and_doctor_say_how_speculation_rolls_back_and_which_heads_exist(tmp_path, target_path):
+    """`models info` names each model's rollback (kv, rs state planes, checkpoint + replay) from its header, and
+    `doctor` lists the draft heads this llama.cpp build supports."""
+    from tinymodels import write_lfm2, write_mamba
+
+    lfm2, mamba = write_lfm2(tmp_path / "h.gguf", 3), write_mamba(tmp_path / "m.gguf", 3)
+    kinds = {}
+    for path in (target_path, lfm2, mamba):
+        r = cli(["models", "info", str(path), "--json"])
+        assert r.returncode == 0, r.stderr
+        kinds[path.name] = json.loads(r.stdout)["model"]["rollback"]
+    assert kinds == {target_path.name: "kv", "h.gguf": "rs", "m.gguf": "checkpoint"}
+    r = cli(["doctor", "--json"])
+    assert r.returncode == 0, r.stderr
+    heads = json.loads(r.stdout)["draft_heads"]
+    assert heads["eagle3"] == "supported" and heads["mtp"] == "supported" and "not yet" in heads["dflash"]

@@ -12,6 +12,7 @@ import typer
 from localspec import __version__
 from localspec import settings as config
 
+
 def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
     from localspec.models import download
@@ -39,12 +40,17 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
          "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())}}
         for c in cached_costs()
     ]
+    from localspec.llama.ext import heads_available
+
+    report["draft_heads"] = {h: (f"unavailable: {why}" if why is not None else "supported" if h != "dflash"
+                                 else "recognised, not yet supported by localspec")
+                             for h, why in heads_available().items()}
     report["notes"] = notes
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
     for k, v in report.items():
-        if k in ("system_info", "notes", "models", "devices", "exactness_probes", "verify_costs"):
+        if k in ("system_info", "notes", "models", "devices", "exactness_probes", "verify_costs", "draft_heads"):
             continue
         typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
     typer.echo(f"system_info: {report.get('system_info', '')}")
@@ -61,6 +67,8 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
         costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
         typer.echo(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
                    f"one-token decodes per batch size {costs}")
+    for h, state in report["draft_heads"].items():
+        typer.echo(f"draft head {h}: {state}")
     for n in notes:
         typer.echo(f"note: {n}")
 

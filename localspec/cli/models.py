@@ -161,6 +161,7 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     from localspec.models import download
     from localspec.models import registry
     from localspec.models.pair import first_difference
+    from localspec.models import rollback
     from localspec.models.gguf_header import read_file_metadata, summary, vocab_info
 
     files: dict[str, Path] = {}
@@ -180,7 +181,8 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     out, metas = {}, {}
     for role, p in files.items():
         metas[role] = read_file_metadata(p)
-        out[role] = {"path": str(p), "size": p.stat().st_size, **summary(metas[role])}
+        out[role] = {"path": str(p), "size": p.stat().st_size, **summary(metas[role]),
+                     "rollback": rollback.kind_for_arch(str(metas[role].get("general.architecture", "")))}
     if "draft" in metas:
         why = first_difference(vocab_info(metas["target"]), vocab_info(metas["draft"]))
         out["compatible"] = why is None
@@ -192,7 +194,7 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
         if isinstance(facts, dict):
             typer.echo(f"{role}:")
             for k, v in facts.items():
-                typer.echo(f"  {k}: {v}")
+                typer.echo(f"  {k}: {rollback.WORDS.get(v, v) if k == 'rollback' else v}")
     if "compatible" in out:
         typer.echo("pair: " + ("compatible (can speculate)" if out["compatible"] else f"INCOMPATIBLE: {out['difference']}"))
 
