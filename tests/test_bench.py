@@ -216,3 +216,20 @@ def test_auto_rows_get_the_leviathan_bound_with_the_draft_cost_of_its_mix():
     rows = B.summarize([rr("none", "none", 0, "code", 10.0), a], {"ratio": {1: 1.0, 2: 1.5, 3: 2.0}, "c": 0.4})
     auto = next(r for r in rows if r["config"] == "auto k<=4" and r["category"] == "code")
     assert auto["ideal_speedup"] == pytest.approx(B.ideal_speedup(1.0, 2, 0.2, 2.0))
+
+
+def test_auto_rows_are_compared_with_the_best_fixed_setting_of_the_same_run():
+    """bench reports, per category, auto against the best fixed configuration it measured (the "oracle"); plain
+    decoding (1.0x) is the oracle where no fixed setting beat it."""
+    results = [rr("none", "none", 0, "code", 10.0), rr("lookup k=2", "lookup", 2, "code", 13.0, 1.3, True, 20, 10),
+               rr("lookup k=4", "lookup", 4, "code", 15.0, 1.5, True, 20, 10),
+               rr("auto k<=4", "auto", 4, "code", 14.0, 1.4, True, 20, 10),
+               rr("none", "none", 0, "chat", 10.0), rr("lookup k=2", "lookup", 2, "chat", 9.0, 0.9, True, 20, 2),
+               rr("lookup k=4", "lookup", 4, "chat", 8.0, 0.8, True, 20, 2),
+               rr("auto k<=4", "auto", 4, "chat", 9.9, 0.99, True, 20, 2)]
+    by = {(r["config"], r["category"]): r for r in B.summarize(results)}
+    code, chat = by[("auto k<=4", "code")], by[("auto k<=4", "chat")]
+    assert (code["oracle"], code["oracle_speedup"]) == ("lookup k=4", 1.5)
+    assert code["auto_over_oracle"] == pytest.approx(1.4 / 1.5)
+    assert (chat["oracle"], chat["oracle_speedup"], chat["auto_over_oracle"]) == ("none", 1.0, pytest.approx(0.99))
+    assert by[("lookup k=4", "code")]["oracle"] is None  # only auto rows are compared

@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from localspec.core.engine import Engine, GenConfig
+from localspec.core.report import bench_figures
 from localspec.errors import UsageError
 from localspec.core.sampling import SamplingParams
 
@@ -67,6 +68,8 @@ class RunResult:
     mismatch_kind: str | None = None  # numeric (a near-tie flipped by float order) | bug
     draft_model_steps: int = 0  # drafting steps whose drafts came from the draft model (the rest: lookup)
     drafting_steps: int = 0
+    rollback: str = "kv"  # how rejected drafts were undone (kv | rs | checkpoint | none)
+    replayed_tokens: int = 0  # tokens decoded again after a checkpoint restore (recurrent/hybrid targets)
     tokens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -248,15 +251,10 @@ def run_bench(
     results: list[RunResult] = []
 
     def record(p, cfg, r, toks, st, base=None):
-        rr = RunResult(
-            prompt_id=p["id"], category=p["category"], config=cfg.label, method=cfg.method, k=cfg.k, repeat=r,
-            tokens_per_second=st.tokens_per_second, latency_s=st.elapsed_s, ttft_s=st.ttft_s,
-            completion_tokens=st.completion_tokens, drafted=st.drafted, accepted=st.accepted,
-            acceptance_rate=st.acceptance_rate, mean_accepted_length=st.mean_accepted_length,
-            draft_s=st.draft_s, verify_s=st.verify_s, target_passes=st.target_passes, tokens=toks,
-            k_effective=st.k_cap, exactness=st.exactness,
-            draft_model_steps=st.method_used.get("draft", 0), drafting_steps=st.drafting_steps,
-        )
+        f = bench_figures(st)  # the one report of a generation (core/report.py): same names and values as run --json
+        latency, k_eff = f.pop("elapsed_s"), f.pop("k_in_use")
+        rr = RunResult(prompt_id=p["id"], category=p["category"], config=cfg.label, method=cfg.method, k=cfg.k,
+                       repeat=r, latency_s=latency, k_effective=k_eff, tokens=toks, **f)
         if base is not None:
             rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
             if temperature == 0.0:
@@ -330,6 +328,9 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
             "mismatches": [{"prompt": r.prompt_id, "repeat": r.repeat, "position": r.mismatch_pos, "margin": r.mismatch_margin,
                             "deviation": r.mismatch_deviation, "kind": r.mismatch_kind} for r in diverged],
             "ideal_speedup": None, "measured_over_ideal": None,
+            "rollback": ",".join(sorted({r.rollback for r in rs})),
+            "replayed_per_100": 100 * sum(r.replayed_tokens for r in rs) / max(sum(r.completion_tokens for r in rs), 1),
+            "oracle": None, "oracle_speedup": None, "auto_over_oracle": None,
         }
         if calib and row["method"] in ("draft", "lookup", "auto") and drafted:
             k = row["k_effective"] or row["k"]
@@ -352,6 +353,18 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
                 if row["speedup_median"]:
                     row["measured_over_ideal"] = row["speedup_median"] / ideal
         rows.append(row)
+    for row in rows:  # auto against the best fixed configuration measured in the same run (plain counts: 1.0x)
+        if row["method"] != "auto":
+            continue
+        fixed = [r for r in rows if r["category"] == row["category"] and r["method"] in ("draft", "lookup")
+                 and r["speedup_median"] is not None]
+        best = max(fixed, key=lambda r: r["speedup_median"], default=None)
+        if best is not None and best["speedup_median"] > 1.0:
+            row["oracle"], row["oracle_speedup"] = best["config"], best["speedup_median"]
+        else:
+            row["oracle"], row["oracle_speedup"] = "none", 1.0
+        if row["speedup_median"] is not None:
+            row["auto_over_oracle"] = row["speedup_median"] / row["oracle_speedup"]
     return rows
 
 

@@ -45,6 +45,16 @@ def print_report(rows: list[dict], console=None) -> None:
                       f(r["median_divergence"], "g")])
     print_table(cols, table, file=console.file, right=[c for c in cols if c not in ("config", "exactness", "category")],
                 title="localspec bench (speedup = median of per-prompt tok/s ratios vs the interleaved baseline)")
+    oracle = [r for r in rows if r.get("oracle") is not None]
+    if oracle:  # auto against the best fixed configuration of the same run
+        print_table(["category", "auto", "best fixed", "its speedup", "auto / best"],
+                    [[r["category"], f(r["speedup_median"], ".2f"), r["oracle"], f(r["oracle_speedup"], ".2f"),
+                      f(r["auto_over_oracle"], ".2f")] for r in oracle], file=console.file,
+                    right=["auto", "its speedup", "auto / best"], title="auto vs the best fixed setting (oracle)")
+    hybrid = [r for r in rows if r.get("rollback") not in (None, "", "kv") and r["method"] != "none"]
+    for r in hybrid:
+        console.print(f"rollback {r['config']} {r['category']}: {r['rollback']}, "
+                      f"{r['replayed_per_100']:.1f} tokens replayed per 100 generated")
     console.print(bars([r for r in rows if r["method"] != "none"]))
     for r in rows:
         if r["category"] == "all":
