@@ -3,7 +3,10 @@
 # native plain and `llama-lookup` (k=3) vs localspec plain, auto at `bit` and auto at `lossless` (k<=8), on held-out
 # prompts (benchmarks/heldout_prompts.json), 128 tokens, 2 threads, BF16 KV, flash attention on both sides.
 # The native tools get the prompt in Qwen's ChatML template (what localspec renders for the Qwen pair).
-# Usage: benchmarks/native_compare.sh [TARGET.gguf] [DRAFT.gguf]   (env: BIN=dir of native tools, REPS=2, N=128)
+# Usage: benchmarks/native_compare.sh [TARGET.gguf] [DRAFT.gguf]   (env: BIN=dir of native tools, REPS=2, N=128,
+#   PROMPTS=a prompts JSON file (default heldout_prompts.json; auto_prompts.json has the six kinds of the `auto` issue),
+#   CONFIGS="METHOD:EXACTNESS:K ..." for localspec (default "none:auto:8 auto:bit:8 auto:lossless:8"; auto:auto:8 is
+#   `auto` as shipped), OLD=a checkout of an older localspec to run beside it (same venv) as old-METHOD-EXACTNESS)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-$HOME/.cache/localspec-anchor/build/bin}
@@ -12,9 +15,11 @@ T=${1:-$M/qwen2.5-coder-1.5b-instruct.gguf}; D=${2:-$M/qwen2.5-coder-0.5b-instru
 N=${N:-128}; REPS=${REPS:-2}
 PY=${PYTHON:-python3}
 work=$(mktemp -d)
-ids=$($PY -c "import json,sys; print(' '.join(p['id'] for p in json.load(open(sys.argv[1]))))" "$here/heldout_prompts.json")
+PROMPTS=${PROMPTS:-$here/heldout_prompts.json}
+CONFIGS=${CONFIGS:-"none:auto:8 auto:bit:8 auto:lossless:8"}
+ids=$($PY -c "import json,sys; print(' '.join(p['id'] for p in json.load(open(sys.argv[1]))))" "$PROMPTS")
 for id in $ids; do
-  $PY - "$here/heldout_prompts.json" "$id" "$work" <<'PYEOF'
+  $PY - "$PROMPTS" "$id" "$work" <<'PYEOF'
 import json, sys
 p = next(x["prompt"] for x in json.load(open(sys.argv[1])) if x["id"] == sys.argv[2])
 open(f"{sys.argv[3]}/{sys.argv[2]}.prompt", "w").write(p)
@@ -31,11 +36,15 @@ for rep in $(seq "$REPS"); do
     echo "$rep $id native-plain $r"
     r=$("$BIN/llama-lookup" "${native[@]}" -f "$f" --spec-draft-n-max 3 2>&1 | grep -oE "speed: +[0-9.]+ t/s" | head -2 | tail -1)
     echo "$rep $id native-lookup3 $r"
-    for cfg in "none auto" "auto bit" "auto lossless"; do
-      set -- $cfg
-      r=$($PY -m localspec run -m "$T" -d "$D" --method "$1" --exactness "$2" -k 8 -n "$N" --threads 2 --json "$(cat "$work/$id.prompt")" 2>/dev/null \
-          | $PY -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_second'], 2), 'tok/s', d['steps_by_method'], d['exactness'])")
-      echo "$rep $id localspec-$1-$2 $r"
+    for cfg in $CONFIGS; do
+      IFS=: read -r method exactness k <<<"$cfg"
+      for side in new ${OLD:+old}; do
+        dir=$here/..; [[ $side == old ]] && dir=$OLD
+        r=$(cd "$dir" && $PY -m localspec run -m "$T" -d "$D" --method "$method" --exactness "$exactness" -k "$k" -n "$N" --threads 2 --json "$(cat "$work/$id.prompt")" 2>/dev/null \
+            | $PY -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_second'], 2), 'tok/s', d['steps_by_method'], d['exactness'])")
+        label=localspec; [[ $side == old ]] && label=old
+        echo "$rep $id $label-$method-$exactness-k$k $r"
+      done
     done
   done
 done
