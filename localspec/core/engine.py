@@ -7,7 +7,6 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 
 from __future__ import annotations
 
-import codecs
 import os
 import threading
 import time
@@ -22,6 +21,7 @@ from localspec.core.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  #
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.core.sampling import SamplingParams, probs, sample
 from localspec.core.stats import Stats
+from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
 from localspec.errors import ContextOverflowError, IncompatibleDraftError, SettingError, UsageError
@@ -79,45 +79,6 @@ class Finished:
     tokens: list[int]
     finish_reason: str  # "stop" | "length" | "cancelled"
     stats: Stats
-
-
-class TextAssembler:
-    """Bytes in, text out: whole UTF-8 characters only, and text that might start a stop string is held
-    back until it is known not to."""
-
-    def __init__(self, stops: Sequence[str] = ()) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")("replace")
-        self._pending = ""
-        self._stops = [s for s in stops if s]
-        self.text = ""  # everything released so far
-
-    def push(self, data: bytes) -> tuple[str, bool]:
-        self._pending += self._dec.decode(data)
-        if self._stops:
-            hits = [i for i in (self._pending.find(s) for s in self._stops) if i >= 0]
-            if hits:
-                out = self._pending[: min(hits)]
-                self._pending = ""
-                self.text += out
-                return out, True
-            hold = 0
-            for s in self._stops:
-                for n in range(min(len(s) - 1, len(self._pending)), hold, -1):
-                    if self._pending.endswith(s[:n]):
-                        hold = n
-                        break
-            out = self._pending[: len(self._pending) - hold]
-            self._pending = self._pending[len(self._pending) - hold :]
-        else:
-            out, self._pending = self._pending, ""
-        self.text += out
-        return out, False
-
-    def flush(self) -> str:
-        out = self._pending + self._dec.decode(b"", final=True)
-        self._pending = ""
-        self.text += out
-        return out
 
 
 class Engine:
