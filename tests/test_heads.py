@@ -15,7 +15,13 @@ import pytest
 from tinyheads import write_bigram_target, write_eagle3, write_glm4moe_mtp
 from tinymodels import greedy_margins, write_model
 
-os.environ.setdefault("LOCALSPEC_NO_COST_CALIBRATION", "1")
+
+
+@pytest.fixture(autouse=True)
+def _no_cost_calibration(monkeypatch):
+    """These tests check outputs, not speed: skip the verify-cost timing (for this file's tests only; set at import,
+    it leaked into every test collected after it)."""
+    monkeypatch.setenv("LOCALSPEC_NO_COST_CALIBRATION", "1")
 
 PROMPTS = ["the cat and the dog", "def f(x): return x", "Once upon a time"]
 N = 40
