@@ -21,11 +21,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams
+from localspec.core.sampling import SamplingParams, probs, sample
 
 
 @dataclass
@@ -80,3 +80,26 @@ class Drafter(ABC):
 
     def close(self) -> None:
         """Free what the drafter holds."""
+
+
+def draft_loop(row: np.ndarray, k: int, sp: SamplingParams, rng: np.random.Generator,
+               next_row: Callable[[int, int], np.ndarray], confident: Callable[[np.ndarray], bool] | None = None
+               ) -> Proposal:
+    """The autoregressive loop every model drafter shares (a draft model, a draft head): from a logit row over the
+    target's vocabulary, stop when `confident(row)` says the drafter is unsure, else take a token (the argmax at
+    temperature 0, else a sample from q shaped like the target's p), then `next_row(token, i)` gives the next row."""
+    tokens: list[int] = []
+    qs: list[np.ndarray] = []
+    for i in range(k):
+        if confident is not None and not confident(row):
+            break
+        if sp.greedy:
+            t = int(np.argmax(row))
+        else:
+            q = probs(row, sp)
+            t = sample(q, rng)
+            qs.append(q)
+        tokens.append(t)
+        if i < k - 1:
+            row = next_row(t, i)
+    return Proposal(tokens, np.stack(qs) if qs else None)

@@ -7,9 +7,9 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.core.sampling import SamplingParams
 from localspec.seq import common_prefix
-from localspec.drafters.base import Drafter, Proposal
+from localspec.drafters.base import Drafter, Proposal, draft_loop
 
 
 class DraftModelDrafter(Drafter):
@@ -63,27 +63,15 @@ class DraftModelDrafter(Drafter):
             mark = getattr(self.model, "save_checkpoint", None)
             if mark is not None:
                 mark()
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        for i in range(k):
-            row = self._row(logits)
-            if self.p_min > 0.0:
-                top_p = 1.0 / float(np.exp(row - row.max()).sum())  # the draft's own confidence at temperature 1
-            else:
-                top_p = 1.0
-            if top_p < self.p_min:
-                break
-            if sp.greedy:
-                t = int(np.argmax(row))
-            else:
-                q = probs(row, sp)
-                t = sample(q, rng)
-                qs.append(q)
-            tokens.append(t)
-            if i < k - 1:
-                logits = self.model.decode([t], "last", copy=False)[0]
-        q = np.stack(qs) if qs else None
-        return Proposal(tokens, q, catch_up_s=catch_up)
+        p_min = self.p_min
+
+        def confident(row: np.ndarray) -> bool:  # the draft's own confidence at temperature 1
+            return p_min <= 0.0 or 1.0 / float(np.exp(row - row.max()).sum()) >= p_min
+
+        out = draft_loop(self._row(logits), k, sp, rng,
+                         lambda t, i: self._row(self.model.decode([t], "last", copy=False)[0]), confident)
+        out.catch_up_s = catch_up
+        return out
 
     def close(self) -> None:
         self.model.close()

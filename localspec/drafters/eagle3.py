@@ -20,8 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, probs, sample
-from localspec.drafters.base import Drafter, Proposal
+from localspec.core.sampling import SamplingParams
+from localspec.drafters.base import Drafter, Proposal, draft_loop
 from localspec.errors import IncompatibleDraftError
 
 
@@ -126,23 +126,15 @@ class Eagle3Drafter(Drafter):
             return Proposal()
         self.ctx.prepare(P)
         self.ctx.process(heads.PROCESS_DECODE, [(int(context[-1]), P, g, True)])
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        for i in range(k):
-            row = self.ctx.logits(0)
-            if self.p_min > 0.0 and top10_p(row) < self.p_min:
-                break
-            if sp.greedy:
-                t = int(np.argmax(row))
-            else:
-                q = probs(row, sp)
-                t = sample(q, rng)
-                qs.append(q)
-            tokens.append(t)
-            if i < k - 1:
-                pre = self.ctx.nextn_ith(0, self.n_embd)
-                self.ctx.process(heads.PROCESS_DECODE, [(t, P + 1 + i, pre, True)])
-        return Proposal(tokens, np.stack(qs) if qs else None)
+        p_min = self.p_min
+
+        def next_row(t: int, i: int) -> np.ndarray:
+            pre = self.ctx.nextn_ith(0, self.n_embd)
+            self.ctx.process(heads.PROCESS_DECODE, [(t, P + 1 + i, pre, True)])
+            return self.ctx.logits(0)
+
+        return draft_loop(self.ctx.logits(0), k, sp, rng, next_row,
+                          lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
 
     def close(self) -> None:
         self.ctx.close()

@@ -18,8 +18,8 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, probs, sample
-from localspec.drafters.base import Drafter, Proposal
+from localspec.core.sampling import SamplingParams
+from localspec.drafters.base import Drafter, Proposal, draft_loop
 from localspec.drafters.eagle3 import top10_p
 from localspec.errors import IncompatibleDraftError
 
@@ -89,23 +89,15 @@ class MtpDrafter(Drafter):
             return Proposal()
         self.ctx.prepare(pos0)
         self.ctx.process(heads.PROCESS_DECODE, [(int(context[-1]), pos0, h, True)])
-        tokens: list[int] = []
-        qs: list[np.ndarray] = []
-        for i in range(k):
-            row = self.ctx.logits(0)
-            if self.p_min > 0.0 and top10_p(row) < self.p_min:
-                break
-            if sp.greedy:
-                t = int(np.argmax(row))
-            else:
-                q = probs(row, sp)
-                t = sample(q, rng)
-                qs.append(q)
-            tokens.append(t)
-            if i < k - 1:
-                hn = self.ctx.nextn_ith(0, self.n_embd)
-                self.ctx.process(heads.PROCESS_DECODE, [(t, pos0 + 1 + i, hn, True)])
-        return Proposal(tokens, np.stack(qs) if qs else None)
+        p_min = self.p_min
+
+        def next_row(t: int, i: int) -> np.ndarray:
+            hn = self.ctx.nextn_ith(0, self.n_embd)
+            self.ctx.process(heads.PROCESS_DECODE, [(t, pos0 + 1 + i, hn, True)])
+            return self.ctx.logits(0)
+
+        return draft_loop(self.ctx.logits(0), k, sp, rng, next_row,
+                          lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
 
     def close(self) -> None:
         self.ctx.close()  # the model is the target's
