@@ -743,3 +743,23 @@ def test_every_listed_command_has_a_handler_and_every_handler_is_listed():
     listed = {cmd for cmd, _, _ in SLASH}
     assert listed <= set(HANDLERS)
     assert set(HANDLERS) - listed == {"/clear", *QUIT_COMMANDS} - {"/quit"}  # aliases, named in /help's text
+
+
+def test_the_details_panel_shows_a_hybrid_models_rollback(tmp_path):
+    """On a recurrent/hybrid target the details (F3) say how rejected drafts were undone, with restores and replays."""
+    from localspec.core.stats import Stats
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.query_one(StatsPanel)
+            st = Stats(method="lookup", rollback="checkpoint", restores=3, replayed_tokens=5)
+            st.record_step(3, 1)
+            panel.update_stats(st)
+            await pilot.press("f3")
+            await pilot.pause(0.1)
+            expert = " ".join(lines_of(app.query_one("#expert")))  # the panel wraps long lines
+            assert "rollback: checkpoint (3 restores, 5 tokens replayed)" in expert
+
+    asyncio.run(go())

@@ -10,7 +10,7 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.widgets import Sparkline, Static
 
-from localspec.core.report import rate_text
+from localspec.core.report import rate_text, rollback_text
 
 NBSP = "\u00a0"
 
@@ -116,6 +116,9 @@ class StatsPanel(Vertical):
             out.append(f"\nexactness        {stats.exactness}")
             if stats.exactness_reason:
                 out.append(f"\n{stats.exactness_reason}", style="dim")
+        rollback = rollback_text(stats)
+        if rollback:  # a recurrent or hybrid model: how rejected drafts were undone
+            out.append(f"\n{rollback}")
         if stats.reason:
             out.append(f"\nreason: {stats.reason}", style="dim")
         return out
