@@ -38,8 +38,9 @@ def serve(
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
     chat_template: TemplateOpt = None,
+    no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
 ):
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     from localspec.server.app import serve as run_server
     from localspec.session import Session
 
@@ -49,4 +50,4 @@ def serve(
         exactness=exactness, rpc=rpc, tensor_split=tensor_split,
     ))
     use_template(sess, chat_template)
-    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue)
+    run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue, no_metrics=no_metrics)

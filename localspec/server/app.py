@@ -5,7 +5,7 @@ Generations run one at a time on a worker thread (server/queue.py). A request th
 reuses the target's cached prefix (Model.sync keeps the common prefix). Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /v1/models/{id}, GET /health. Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
+GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
 and name the request's JSON fields.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -29,6 +29,7 @@ from localspec.server import openai as O
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
+from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
 from localspec.server.schemas import ChatRequest, Common, CompletionRequest, chat_messages, completion_prompt, \
@@ -70,6 +71,8 @@ class Generations:
         self.name = model_id(session)
         self.accepted_names = {self.name, session.target_path.name, session.target_path.stem, *ALIASES}
         self.worker = Worker(session, cfg.queue_size, log)
+        self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
+        self.worker.metrics = self.metrics
 
     def check_model(self, model: str | None) -> None:
         """Any name is served by the one loaded pair (as llama-server does), unless strict_model: then 404."""
@@ -196,6 +199,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     app.add_middleware(Gate, host_ok=HostCheck(cfg.host, cfg.allowed_hosts or ()), cors_origins=cfg.cors_origins)
     app.state.worker = worker
     app.state.model = name
+    app.state.metrics = gens.metrics
     app.state.config = cfg
     app.state.begin_shutdown = begin_shutdown
 
@@ -247,6 +251,11 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         gens.check_model(model)
         return model_object()  # the served id, whatever name was asked for (unless strict_model)
 
+    if gens.metrics is not None:
+        @app.get("/metrics")
+        async def metrics():
+            return Response(gens.metrics.render(), media_type=gens.metrics.content_type)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "generating": worker.current is not None, "queued": worker.waiting,
@@ -259,7 +268,7 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           queue_size: int = DEFAULT_QUEUE, max_body: int = DEFAULT_MAX_BODY,
           log: Callable[[str], None] = S.stderr_note, allowed_hosts: Sequence[str] | str | None = None,
           cors_origins: Sequence[str] | str = (), max_k: int | None = None, strict_model: bool = False,
-          config: ServerConfig | None = None) -> None:
+          no_metrics: bool = False, config: ServerConfig | None = None) -> None:
     """`localspec serve`: bind, load the pair once, announce the URL, serve until Ctrl-C. The keyword arguments are
     ServerConfig's fields (see server/config.py); `config` gives the rest, overridden by them."""
     import uvicorn
@@ -268,7 +277,8 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         raise LocalspecError("uvicorn is not installed: pip install uvicorn")
     changes: dict[str, Any] = dict(host=host, port=port, api_key=api_key, queue_size=queue_size, max_body=max_body)
     for key, value, unset in (("allowed_hosts", allowed_hosts, None), ("cors_origins", cors_origins, ()),
-                              ("max_k", max_k, None), ("strict_model", strict_model, False)):
+                              ("max_k", max_k, None), ("strict_model", strict_model, False),
+                              ("no_metrics", no_metrics, False)):
         if value != unset:
             changes[key] = value
     cfg = (config or ServerConfig()).replace(**changes).check()
