@@ -26,6 +26,7 @@ from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.errors import LocalspecError, UsageError
 from localspec.server import openai as O
+from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
@@ -39,6 +40,17 @@ from localspec.server.schemas import ChatRequest, Common, CompletionRequest, cha
 def model_id(session) -> str:
     """The served model's name: the pair name, or the target's file name."""
     return session.pair.name if session.pair is not None else session.target_path.name
+
+
+def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
+    """The prompt of a chat request: the engine's own chat prompt, or with `tools` given to the template."""
+    if tools is None:
+        return eng.chat_prompt(msgs)
+    from localspec.core.chat_template import plain_segments
+
+    tmpl = eng.chat_template()
+    segments = tmpl.segments(msgs, tools=tools) if tmpl is not None else plain_segments(msgs, tools=tools)
+    return eng.target.tokenize_segments([(s.text, s.content) for s in segments])
 
 
 def check_ranges(req: Common) -> None:
@@ -106,7 +118,8 @@ class Generations:
                            param="localspec.k")
         return cfg
 
-    async def run(self, request: Request, req: Common, build, chunk, whole):
+    async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None):
+        """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls."""
         cfg = self.gen_config(req)
         job = Job(build, cfg, asyncio.get_running_loop(), asyncio.Queue())
         self.worker.submit(job)
@@ -134,12 +147,17 @@ class Generations:
             except BaseException:
                 job.cancel.set()
                 raise
-            return JSONResponse(whole(cid, now, ev, cfg))
-        return StreamingResponse(self.events(job, first, cfg, cid, now, chunk, include_usage),
+            body = whole(cid, now, ev, cfg)
+            if tools is not None:
+                T.answer_calls(body, ev, tools)
+            return JSONResponse(body)
+        splitter = T.ToolStream(tools) if tools is not None else None
+        return StreamingResponse(self.events(job, first, cfg, cid, now, chunk, include_usage, splitter),
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool):
+    async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
+                     splitter: T.ToolStream | None = None):
         try:
             yield sse(chunk(cid, now, None, None))  # the opening chunk (chat: the assistant role)
             while True:
@@ -147,10 +165,21 @@ class Generations:
                     yield sse(ev.body())
                     break
                 if isinstance(ev, Piece):
-                    if ev.text:
-                        yield sse(chunk(cid, now, ev.text, None))
+                    text = ev.text if splitter is None else splitter.feed(ev.text)
+                    if text:
+                        yield sse(chunk(cid, now, text, None))
                 elif isinstance(ev, Finished):
-                    last = chunk(cid, now, None, ev.finish_reason)
+                    finish = ev.finish_reason
+                    if splitter is not None:  # the held-back text: content, or the tool calls (arguments in deltas)
+                        rest, calls = splitter.end()
+                        if rest:
+                            yield sse(chunk(cid, now, rest, None))
+                        for i, call in enumerate(calls):
+                            for delta in T.call_deltas(call, i):
+                                yield sse(O.chat_delta(self.name, cid, now, delta))
+                        if calls and finish != "cancelled":
+                            finish = "tool_calls"
+                    last = chunk(cid, now, None, finish)
                     last["localspec"] = localspec_stats(ev.stats, cfg)
                     yield sse(last)
                     if include_usage:
@@ -224,9 +253,11 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
+        tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs = chat_messages(req)
-        return await gens.run(request, req, lambda eng: eng.chat_prompt(msgs),
-                              lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a))
+        return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
+                              lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
+                              tools=names if tools is not None else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
