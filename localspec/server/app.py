@@ -5,7 +5,7 @@ Generations run one at a time on a worker thread (server/queue.py). A request th
 reuses the target's cached prefix (Model.sync keeps the common prefix). Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
+POST /v1/responses (server/responses.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
 and name the request's JSON fields.
 """
 
@@ -26,6 +26,7 @@ from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.errors import LocalspecError, UsageError
 from localspec.server import openai as O
+from localspec.server import responses as R
 from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
@@ -118,8 +119,10 @@ class Generations:
                            param="localspec.k")
         return cfg
 
-    async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None):
-        """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls."""
+    async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
+                  stream=None):
+        """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
+        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'."""
         cfg = self.gen_config(req)
         job = Job(build, cfg, asyncio.get_running_loop(), asyncio.Queue())
         self.worker.submit(job)
@@ -152,7 +155,9 @@ class Generations:
                 T.answer_calls(body, ev, tools)
             return JSONResponse(body)
         splitter = T.ToolStream(tools) if tools is not None else None
-        return StreamingResponse(self.events(job, first, cfg, cid, now, chunk, include_usage, splitter),
+        body = (stream(job, first, cfg, cid, now) if stream is not None
+                else self.events(job, first, cfg, cid, now, chunk, include_usage, splitter))
+        return StreamingResponse(body,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -265,6 +270,15 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         prompt = completion_prompt(req)
         return await gens.run(request, req, lambda eng: eng.raw_prompt(prompt),
                               lambda *a: O.completion_chunk(name, *a), lambda *a: O.completion_whole(name, *a))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = await parse_body(request, R.ResponsesRequest)
+        msgs = R.messages_of(req)
+        if req.max_output_tokens is not None:
+            req.max_tokens = req.max_output_tokens
+        return await gens.run(request, req, lambda eng: eng.chat_prompt(msgs), None, R.whole(name, req),
+                              stream=lambda *a: R.stream(name, req, *a))
 
     def model_object() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "localspec",
