@@ -31,6 +31,7 @@ from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
+from localspec.server.grammar import constraint_for
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
@@ -114,6 +115,7 @@ class Generations:
             self.engine.resolve_method(cfg)  # e.g. method draft without a draft model: 400 before the request queues
         except UsageError as exc:
             raise setting_error(exc) from None
+        cfg.constraint = constraint_for(req.response_format, self.engine.target)  # 400 for a schema it cannot do
         if "draft_tokens" in changes and cfg.k > self.cfg.max_k:  # each new k may start an exactness probe
             raise APIError(400, f"localspec.k must be <= {self.cfg.max_k} on this server, got {cfg.k}",
                            param="localspec.k")

@@ -45,6 +45,7 @@ class Common(_Body):
     n: Optional[int] = None
     presence_penalty: Optional[float] = None  # range-checked as OpenAI does; not applied
     frequency_penalty: Optional[float] = None
+    response_format: Any = None  # structured output: server/grammar.py
 
 
 class ChatMessage(_Body):
