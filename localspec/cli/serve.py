@@ -42,8 +42,9 @@ def serve(
     cors_origins: Annotated[Optional[str], typer.Option("--cors-origins", help="Browser origins allowed to call the API, comma-separated, e.g. http://localhost:5173 (* = any; default: none).", show_default=False)] = None,
     max_k: Annotated[Optional[int], typer.Option("--max-k", help="Largest per-request localspec.k (default: -k).", show_default=False)] = None,
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
+    no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
 ):
-    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models)."""
+    """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     from localspec.server.app import serve as run_server
     from localspec.session import Session
 
@@ -54,4 +55,4 @@ def serve(
     ))
     use_template(sess, chat_template)
     run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue, allowed_hosts=allowed_hosts,
-               cors_origins=cors_origins or (), max_k=max_k, strict_model=strict_model)
+               cors_origins=cors_origins or (), max_k=max_k, strict_model=strict_model, no_metrics=no_metrics)

@@ -45,11 +45,19 @@ def read_template_file(path: str | Path) -> str:
         raise UsageError(f"cannot read chat template file {path}: {exc.strerror or exc}") from None
 
 
-def plain_segments(messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
-    """The fallback for a model without a template: a 'role: content' transcript."""
+def plain_segments(messages: Sequence[dict], add_generation_prompt: bool = True,
+                   tools: Sequence[dict] | None = None) -> list[Segment]:
+    """The fallback for a model without a template: a 'role: content' transcript (tools and tool calls as JSON
+    lines, as text)."""
     out: list[Segment] = []
+    if tools:
+        out += [Segment("tools: ", False), Segment(json.dumps(list(tools), ensure_ascii=False), True),
+                Segment("\n", False)]
     for m in messages:
-        out += [Segment(f"{m['role']}: ", False), Segment(m["content"], True), Segment("\n", False)]
+        out += [Segment(f"{m['role']}: ", False), Segment(m.get("content") or "", True), Segment("\n", False)]
+        for call in m.get("tool_calls") or ():
+            out += [Segment("tool call: ", False), Segment(json.dumps(call.get("function", call), ensure_ascii=False),
+                                                           True), Segment("\n", False)]
     if add_generation_prompt:
         out.append(Segment("assistant:", False))
     return out
@@ -111,13 +119,14 @@ class ChatTemplate:
         except Exception as exc:
             raise ChatTemplateError(f"{origin} cannot be parsed: {type(exc).__name__}: {_one_line(exc)}") from None
 
-    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+               tools: Sequence[dict] | None = None) -> str:
         from jinja2.exceptions import SecurityError, TemplateError
 
         try:
             return self._tmpl.render(
                 messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token, eos_token=self.eos_token, tools=None,
+                bos_token=self.bos_token, eos_token=self.eos_token, tools=list(tools) if tools else None,
             )
         except SecurityError as exc:
             raise ChatTemplateError(f"{self.origin} tried to reach outside the sandbox: {_one_line(exc)}") from None
@@ -126,8 +135,10 @@ class ChatTemplate:
         except Exception as exc:
             raise ChatTemplateError(f"{self.origin} failed: {type(exc).__name__}: {_one_line(exc)}") from None
 
-    def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[Segment]:
-        """The rendered prompt split into markup and content.
+    def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                 tools: Sequence[dict] | None = None) -> list[Segment]:
+        """The rendered prompt split into markup and content. `tools`: the function tools (OpenAI's shape), given to
+        the template as transformers does; the template prints them (and assistant `tool_calls`) as markup.
 
         The template is rendered twice: with the real messages (the text the model expects) and with each content
         replaced by a unique placeholder (which shows where the markup is). The real text is then matched piece by
@@ -136,14 +147,14 @@ class ChatTemplate:
         text. If the template transformed content in a way not recognised here, the placeholders are filled with
         the content as-is (the prompt then differs from the template only in that transformation).
         """
-        real = self.render(messages, add_generation_prompt)
+        real = self.render(messages, add_generation_prompt, tools)
         nonce = secrets.token_hex(8)
         while any(nonce in str(m.get("content", "")) for m in messages):  # pragma: no cover - 2^-64
             nonce = secrets.token_hex(8)
-        masked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if isinstance(m.get("content"), str) else dict(m)
-                  for i, m in enumerate(messages)]
+        masked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if isinstance(m.get("content"), str) and m["content"]
+                  else dict(m) for i, m in enumerate(messages)]  # "" stays "": `{% if message.content %}` holds
         try:
-            skeleton = self.render(masked, add_generation_prompt)
+            skeleton = self.render(masked, add_generation_prompt, tools)
         except ChatTemplateError as exc:  # it accepts the real contents but not placeholders: it parses them
             raise ChatTemplateError(f"{self.origin} cannot be split into markup and message text ({exc})") from None
         parts = re.split(f"\ue000{nonce}(\\d+)\ue001", skeleton)

@@ -12,7 +12,7 @@ import threading
 import time
 from pathlib import Path
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -45,6 +45,9 @@ class GenConfig:
     # lossless: no cap, every token is the target's choice in the pass that emitted it (float order may flip
     # near-ties); auto: bit when the cap leaves >= 2 draft tokens, else lossless
     exactness: str = D.EXACTNESS_LEVEL
+    # a grammar the output must follow (structured output): an object with allowed() -> bool array over the
+    # vocabulary at its current state, consume(tokens) -> bool and rollback(n); None: free text
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -447,12 +450,21 @@ class Engine:
             stats.token_emitted()
             return Piece(piece, token, drafted), stopped
 
+        con = cfg.constraint
+
+        def constrain(row, allowed):
+            return np.where(allowed[:len(row)], row, -np.inf)
+
+        if con is not None:
+            logits = constrain(logits, con.allowed())
         # first token from the prompt's last row
         first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), rng)
         stats.ttft_s = time.perf_counter() - t0
         if target.is_eog(first):
             finish = "stop"
         else:
+            if con is not None:
+                con.consume([first])
             ev, stopped = emit(first, False)
             context.append(first)
             yield ev
@@ -472,12 +484,17 @@ class Engine:
                 k = max(0, min(k, remaining - 1, room))
                 td = time.perf_counter()
                 proposal = drafter.propose(context, k, sp, rng) if (drafter is not None and k > 0) else Proposal()
+                masks = None
+                if con is not None:  # each verify row masked by the grammar state after the drafts before it
+                    proposal, masks = _grammar_masks(con, proposal)
                 tv = time.perf_counter()
                 gamma = len(proposal.tokens)
                 base = len(target.tokens)
                 batch = [context[-1], *proposal.tokens]
                 rows = target.decode(batch, "all", copy=False)  # used before the next decode
                 self._after_decode(batch, base)
+                if masks is not None:
+                    rows = np.stack([constrain(r, m) for r, m in zip(rows, masks)])
                 if sp.greedy:
                     n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
                 else:
@@ -513,6 +530,8 @@ class Engine:
                     if stats.completion_tokens >= cfg.max_tokens:
                         finish = "length"
                         break
+                    if con is not None:
+                        con.consume([tok])
                     ev, stopped = emit(tok, drafted)
                     context.append(tok)
                     yield ev
@@ -541,6 +560,29 @@ class Engine:
             if isinstance(ev, Finished):
                 result = ev
         return result
+
+
+def _grammar_masks(con, proposal: Proposal) -> tuple[Proposal, list]:
+    """The grammar's allowed tokens for each verify row: row i after the first i drafts. Drafts after the first
+    one the grammar refuses are dropped (that one stays: its masked row rejects it, as speculative sampling
+    would); the matcher is rolled back to where it was."""
+    masks, n = [], 0
+    for t in proposal.tokens:
+        m = con.allowed()
+        masks.append(m)
+        if not m[t] or not con.consume([t]):
+            break
+        n += 1
+    if n == len(proposal.tokens):
+        masks.append(con.allowed())
+    else:
+        keep = n + 1
+        proposal = Proposal(proposal.tokens[:keep], None if proposal.q is None else proposal.q[:keep],
+                            proposal.catch_up_s)
+        masks.append(masks[-1])  # the row after a refused draft is never used
+    if n:
+        con.rollback(n)
+    return proposal, masks
 
 
 def _can_rollback(model) -> bool:

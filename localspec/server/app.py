@@ -5,7 +5,7 @@ Generations run one at a time on a worker thread (server/queue.py). A request th
 reuses the target's cached prefix (Model.sync keeps the common prefix). Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-GET /v1/models/{id}, GET /health. Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
+POST /v1/responses (server/responses.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
 and name the request's JSON fields.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -26,9 +26,13 @@ from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.errors import LocalspecError, UsageError
 from localspec.server import openai as O
+from localspec.server import responses as R
+from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
+from localspec.server.grammar import constraint_for
+from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
 from localspec.server.schemas import ChatRequest, Common, CompletionRequest, chat_messages, completion_prompt, \
@@ -38,6 +42,17 @@ from localspec.server.schemas import ChatRequest, Common, CompletionRequest, cha
 def model_id(session) -> str:
     """The served model's name: the pair name, or the target's file name."""
     return session.pair.name if session.pair is not None else session.target_path.name
+
+
+def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
+    """The prompt of a chat request: the engine's own chat prompt, or with `tools` given to the template."""
+    if tools is None:
+        return eng.chat_prompt(msgs)
+    from localspec.core.chat_template import plain_segments
+
+    tmpl = eng.chat_template()
+    segments = tmpl.segments(msgs, tools=tools) if tmpl is not None else plain_segments(msgs, tools=tools)
+    return eng.target.tokenize_segments([(s.text, s.content) for s in segments])
 
 
 def check_ranges(req: Common) -> None:
@@ -70,6 +85,8 @@ class Generations:
         self.name = model_id(session)
         self.accepted_names = {self.name, session.target_path.name, session.target_path.stem, *ALIASES}
         self.worker = Worker(session, cfg.queue_size, log)
+        self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
+        self.worker.metrics = self.metrics
 
     def check_model(self, model: str | None) -> None:
         """Any name is served by the one loaded pair (as llama-server does), unless strict_model: then 404."""
@@ -98,12 +115,16 @@ class Generations:
             self.engine.resolve_method(cfg)  # e.g. method draft without a draft model: 400 before the request queues
         except UsageError as exc:
             raise setting_error(exc) from None
+        cfg.constraint = constraint_for(req.response_format, self.engine.target)  # 400 for a schema it cannot do
         if "draft_tokens" in changes and cfg.k > self.cfg.max_k:  # each new k may start an exactness probe
             raise APIError(400, f"localspec.k must be <= {self.cfg.max_k} on this server, got {cfg.k}",
                            param="localspec.k")
         return cfg
 
-    async def run(self, request: Request, req: Common, build, chunk, whole):
+    async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
+                  stream=None):
+        """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
+        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'."""
         cfg = self.gen_config(req)
         job = Job(build, cfg, asyncio.get_running_loop(), asyncio.Queue())
         self.worker.submit(job)
@@ -131,12 +152,19 @@ class Generations:
             except BaseException:
                 job.cancel.set()
                 raise
-            return JSONResponse(whole(cid, now, ev, cfg))
-        return StreamingResponse(self.events(job, first, cfg, cid, now, chunk, include_usage),
+            body = whole(cid, now, ev, cfg)
+            if tools is not None:
+                T.answer_calls(body, ev, tools)
+            return JSONResponse(body)
+        splitter = T.ToolStream(tools) if tools is not None else None
+        body = (stream(job, first, cfg, cid, now) if stream is not None
+                else self.events(job, first, cfg, cid, now, chunk, include_usage, splitter))
+        return StreamingResponse(body,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool):
+    async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
+                     splitter: T.ToolStream | None = None):
         try:
             yield sse(chunk(cid, now, None, None))  # the opening chunk (chat: the assistant role)
             while True:
@@ -144,10 +172,21 @@ class Generations:
                     yield sse(ev.body())
                     break
                 if isinstance(ev, Piece):
-                    if ev.text:
-                        yield sse(chunk(cid, now, ev.text, None))
+                    text = ev.text if splitter is None else splitter.feed(ev.text)
+                    if text:
+                        yield sse(chunk(cid, now, text, None))
                 elif isinstance(ev, Finished):
-                    last = chunk(cid, now, None, ev.finish_reason)
+                    finish = ev.finish_reason
+                    if splitter is not None:  # the held-back text: content, or the tool calls (arguments in deltas)
+                        rest, calls = splitter.end()
+                        if rest:
+                            yield sse(chunk(cid, now, rest, None))
+                        for i, call in enumerate(calls):
+                            for delta in T.call_deltas(call, i):
+                                yield sse(O.chat_delta(self.name, cid, now, delta))
+                        if calls and finish != "cancelled":
+                            finish = "tool_calls"
+                    last = chunk(cid, now, None, finish)
                     last["localspec"] = localspec_stats(ev.stats, cfg)
                     yield sse(last)
                     if include_usage:
@@ -196,6 +235,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     app.add_middleware(Gate, host_ok=HostCheck(cfg.host, cfg.allowed_hosts or ()), cors_origins=cfg.cors_origins)
     app.state.worker = worker
     app.state.model = name
+    app.state.metrics = gens.metrics
     app.state.config = cfg
     app.state.begin_shutdown = begin_shutdown
 
@@ -220,9 +260,11 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
+        tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs = chat_messages(req)
-        return await gens.run(request, req, lambda eng: eng.chat_prompt(msgs),
-                              lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a))
+        return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
+                              lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
+                              tools=names if tools is not None else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -230,6 +272,15 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         prompt = completion_prompt(req)
         return await gens.run(request, req, lambda eng: eng.raw_prompt(prompt),
                               lambda *a: O.completion_chunk(name, *a), lambda *a: O.completion_whole(name, *a))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = await parse_body(request, R.ResponsesRequest)
+        msgs = R.messages_of(req)
+        if req.max_output_tokens is not None:
+            req.max_tokens = req.max_output_tokens
+        return await gens.run(request, req, lambda eng: eng.chat_prompt(msgs), None, R.whole(name, req),
+                              stream=lambda *a: R.stream(name, req, *a))
 
     def model_object() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "localspec",
@@ -247,6 +298,11 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         gens.check_model(model)
         return model_object()  # the served id, whatever name was asked for (unless strict_model)
 
+    if gens.metrics is not None:
+        @app.get("/metrics")
+        async def metrics():
+            return Response(gens.metrics.render(), media_type=gens.metrics.content_type)
+
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": name, "generating": worker.current is not None, "queued": worker.waiting,
@@ -259,7 +315,7 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
           queue_size: int = DEFAULT_QUEUE, max_body: int = DEFAULT_MAX_BODY,
           log: Callable[[str], None] = S.stderr_note, allowed_hosts: Sequence[str] | str | None = None,
           cors_origins: Sequence[str] | str = (), max_k: int | None = None, strict_model: bool = False,
-          config: ServerConfig | None = None) -> None:
+          no_metrics: bool = False, config: ServerConfig | None = None) -> None:
     """`localspec serve`: bind, load the pair once, announce the URL, serve until Ctrl-C. The keyword arguments are
     ServerConfig's fields (see server/config.py); `config` gives the rest, overridden by them."""
     import uvicorn
@@ -268,7 +324,8 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         raise LocalspecError("uvicorn is not installed: pip install uvicorn")
     changes: dict[str, Any] = dict(host=host, port=port, api_key=api_key, queue_size=queue_size, max_body=max_body)
     for key, value, unset in (("allowed_hosts", allowed_hosts, None), ("cors_origins", cors_origins, ()),
-                              ("max_k", max_k, None), ("strict_model", strict_model, False)):
+                              ("max_k", max_k, None), ("strict_model", strict_model, False),
+                              ("no_metrics", no_metrics, False)):
         if value != unset:
             changes[key] = value
     cfg = (config or ServerConfig()).replace(**changes).check()

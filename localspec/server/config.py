@@ -34,7 +34,8 @@ class ServerConfig:
     allowed_hosts: Host header names accepted besides the bound host and loopback names ("*": any); None reads
     LOCALSPEC_ALLOWED_HOSTS. cors_origins: browser origins allowed to call the API ("*": any; default none: a
     request with an Origin header is refused). max_k: the largest per-request `localspec.k` (None: the session's
-    draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve."""
+    draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve.
+    no_metrics: no GET /metrics (Prometheus)."""
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
@@ -45,6 +46,7 @@ class ServerConfig:
     cors_origins: tuple[str, ...] = ()
     max_k: Optional[int] = None
     strict_model: bool = False
+    no_metrics: bool = False
 
     def __post_init__(self) -> None:
         for name in ("allowed_hosts", "cors_origins"):  # a list or a comma-separated string is fine too

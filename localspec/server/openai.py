@@ -89,6 +89,12 @@ def chat_chunk(name: str, cid: str, now: int, text, finish) -> dict:
             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
+def chat_delta(name: str, cid: str, now: int, delta: dict) -> dict:
+    return {"id": f"chatcmpl-{cid}", "object": "chat.completion.chunk", "created": now, "model": name,
+            "system_fingerprint": None,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+
+
 def chat_whole(name: str, cid: str, now: int, fin, cfg) -> dict:
     return {"id": f"chatcmpl-{cid}", "object": "chat.completion", "created": now, "model": name,
             "system_fingerprint": None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from localspec import session as S
-from localspec.core.engine import Finished, GenConfig
+from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.errors import ContextOverflowError, LocalspecError, UsageError
 from localspec.server.config import POLL_S
 from localspec.server.openai import APIError, setting_error
@@ -46,12 +46,13 @@ def shutting_down() -> APIError:
 class Worker:
     """Runs generations one at a time on the session's engine, in the order they came."""
 
-    def __init__(self, session, queue_size: int, log: Callable[[str], None]) -> None:
+    def __init__(self, session, queue_size: int, log: Callable[[str], None], metrics=None) -> None:
         if queue_size < 1:
             raise UsageError(f"queue size must be >= 1, got {queue_size}")
         self.session = session
         self.queue_size = queue_size
         self.log = log
+        self.metrics = metrics  # server/metrics.py's Metrics, or None (no /metrics)
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0  # queued, not started
@@ -67,11 +68,16 @@ class Worker:
             if self.closing:
                 raise shutting_down()
             if self.waiting >= self.queue_size:
-                self.counts["rejected"] += 1
+                self._count("rejected")
                 raise APIError(503, f"server busy: {self.waiting} requests are waiting already; retry later",
                                type_="server_error", code="queue_full", headers={"Retry-After": str(self.retry_after())})
             self.waiting += 1
         self._q.put(job)
+
+    def _count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome=outcome).inc()
 
     def retry_after(self) -> int:
         mean = sum(self.recent_s) / len(self.recent_s) if self.recent_s else 1.0
@@ -125,28 +131,36 @@ class Worker:
 
     def _one(self, job: Job) -> None:
         if job.cancel.is_set():  # the client left while queued
-            self.counts["cancelled"] += 1
+            self._count("cancelled")
             return
         t0 = time.perf_counter()
         engine = self.session.engine
         try:
             tokens = job.build(engine)
             with S.generation_slot(waiting=self.log):
+                last = None  # when the previous token came (inter-token latency)
+                m = self.metrics
                 for ev in engine.generate(tokens, job.cfg, cancel=job.cancel):
                     job.post(ev)
-                    if isinstance(ev, Finished):
+                    if isinstance(ev, Piece) and m is not None:
+                        now = time.perf_counter()
+                        m.token(None if last is None else now - last)
+                        last = now
+                    elif isinstance(ev, Finished):
                         self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
+                        if m is not None:
+                            m.request_done(ev)
         except UsageError as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.post(setting_error(exc))
         except ContextOverflowError as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.post(setting_error(exc, code="context_length_exceeded"))
         except LocalspecError as exc:
-            self.counts["failed"] += 1
+            self._count("failed")
             job.post(setting_error(exc, 500))
         except Exception as exc:  # a bug must not kill the worker: log it here, answer one line
-            self.counts["failed"] += 1
+            self._count("failed")
             self.log("localspec serve: generation failed:\n" + traceback.format_exc().rstrip())
             job.post(APIError(500, f"internal error: {type(exc).__name__}"))
         finally:

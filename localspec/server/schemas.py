@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from localspec.server.config import MAX_STOPS
 from localspec.server.openai import APIError, invalid
+from localspec.server.tools import template_tool_calls
 
 
 class _Body(BaseModel):
@@ -44,22 +45,27 @@ class Common(_Body):
     n: Optional[int] = None
     presence_penalty: Optional[float] = None  # range-checked as OpenAI does; not applied
     frequency_penalty: Optional[float] = None
+    response_format: Any = None  # structured output: server/grammar.py
 
 
 class ChatMessage(_Body):
     role: str
     content: Any = None  # str, a list of text parts, or null (an assistant turn with tool calls)
+    tool_calls: Any = None  # an assistant turn's calls (server/tools.py checks them)
+    tool_call_id: Optional[str] = None  # a tool result's call
 
 
 class ChatRequest(Common):
     messages: list[ChatMessage]
+    tools: Any = None  # checked by server/tools.py
+    tool_choice: Any = None
 
 
 class CompletionRequest(Common):
     prompt: Any  # str or a list of one str
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def chat_messages(req: ChatRequest) -> list[dict]:
@@ -69,7 +75,7 @@ def chat_messages(req: ChatRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         role = ROLES.get(m.role)
         if role is None:
-            raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user or assistant",
+            raise APIError(400, f"messages[{i}].role {m.role!r} is not supported; use system, user, assistant or tool",
                            param=f"messages[{i}].role")
         c = m.content
         if c is None:
@@ -87,7 +93,15 @@ def chat_messages(req: ChatRequest) -> list[dict]:
         else:
             raise APIError(400, f"messages[{i}].content must be a string or a list of text parts",
                            param=f"messages[{i}].content")
-        out.append({"role": role, "content": text})
+        msg: dict[str, Any] = {"role": role, "content": text}
+        if m.tool_calls is not None and role == "assistant":
+            msg["tool_calls"] = template_tool_calls(m.tool_calls, f"messages[{i}].tool_calls")
+        if role == "tool":
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if isinstance(getattr(m, "name", None), str):
+                msg["name"] = m.name
+        out.append(msg)
     return out
 
 

@@ -1,0 +1,165 @@
+"""Structured output: `response_format` `json_object` / `json_schema` decoded under a grammar (llguidance), with
+speculation kept on. The engine masks each verify row with the grammar state after the drafts before it and rolls
+the matcher back after the look-ahead (GenConfig.constraint; core/engine.py), so the output at temperature 0 is
+the same with and without speculation.
+
+A schema llguidance cannot compile is a 400 naming what it refused, checked before the request queues.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import numpy as np
+
+from localspec.server.openai import APIError
+
+# one JSON layout (`{"a": 1, "b": [2, 3]}`, as json.dumps writes it): free whitespace lets a model pad forever;
+# a schema's own "x-guidance" options override it
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOCK = threading.Lock()
+
+
+def grammar_of(response_format) -> str | None:
+    """The llguidance grammar of a request's `response_format` (None: free text). 400 for a bad or unsupported
+    one."""
+    import llguidance
+
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
+        raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                       param="response_format")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        schema = {"type": "object"}
+    elif kind == "json_schema":
+        js = response_format.get("json_schema")
+        schema = js.get("schema") if isinstance(js, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object",
+                           param="response_format")
+    else:
+        raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
+                       param="response_format")
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
+    except ValueError as exc:
+        raise APIError(400, f"response_format: the schema is not valid: {exc}", param="response_format") from None
+    is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if is_err:
+        msg = " ".join(str(messages[0]).split()) if messages else "not supported"
+        raise APIError(400, f"response_format: unsupported JSON Schema: {msg}", param="response_format",
+                       code="unsupported_schema")
+    return grammar
+
+
+class _Vocab:
+    """The target's vocabulary as llguidance reads it: each token's bytes (control tokens marked with 0xff)."""
+
+    def __init__(self, model) -> None:
+        toks = []
+        for t in range(model.n_vocab):
+            b = model.piece(t)
+            if not b:
+                text = model.token_text(t)
+                b = b"\xff" + text if text else b""
+            toks.append(b)
+        self.tokens = toks
+        self.eos_token_id = [t for t in range(model.n_vocab) if model.is_eog(t)] or [model.vocab_info().eos]
+        self.bos_token_id = None
+        self.special_token_ids = []
+        self._model = model
+        self._by_bytes: dict | None = None
+        self._longest = 1
+
+    def __call__(self, data: bytes) -> list[int]:
+        """The model's tokenization when it spells `data` exactly; otherwise (a SentencePiece vocabulary adds a
+        space in front) the longest-match one, which the grammar accepts just as well."""
+        ids = self._model.tokenize(data.decode("utf-8", "replace"), add_special=False, parse_special=False)
+        if b"".join(self.tokens[i] for i in ids) == data:
+            return ids
+        if self._by_bytes is None:
+            self._by_bytes = {}
+            for i, b in enumerate(self.tokens):
+                if b and not b.startswith(b"\xff"):
+                    self._by_bytes.setdefault(b, i)
+            self._longest = max(map(len, self._by_bytes), default=1)
+        out, pos = [], 0
+        while pos < len(data):
+            for n in range(min(self._longest, len(data) - pos), 0, -1):
+                i = self._by_bytes.get(data[pos:pos + n])
+                if i is not None:
+                    out.append(i)
+                    pos += n
+                    break
+            else:
+                pos += 1  # a byte no token spells (no byte tokens in this vocabulary)
+        return out
+
+
+def tokenizer_for(model):
+    """llguidance's tokenizer for `model`, built once per loaded model (a second or so on a big vocabulary)."""
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    with _LOCK:
+        tok = _TOKENIZERS.get(model)
+        if tok is None:
+            v = _Vocab(model)
+            eos = v.eos_token_id
+            v.eos_token_id = eos[0]
+            tok = _TOKENIZERS[model] = llguidance.LLTokenizer(TokenizerWrapper(v), n_vocab=model.n_vocab,
+                                                              eos_token=eos)
+        return tok
+
+
+class Grammar:
+    """GenConfig.constraint for one request: the matcher is made on first use (in the worker thread)."""
+
+    def __init__(self, grammar: str, model) -> None:
+        self.grammar = grammar
+        self.model = model
+        self.n_vocab = model.n_vocab
+        self.matcher = None
+        self.mask_s = 0.0  # time spent computing masks (the per-step cost of the grammar)
+        self.masks = 0
+
+    def _m(self):
+        if self.matcher is None:
+            import llguidance
+
+            self.matcher = llguidance.LLMatcher(tokenizer_for(self.model), self.grammar, log_level=0)
+        return self.matcher
+
+    def allowed(self) -> np.ndarray:
+        import time
+
+        t0 = time.perf_counter()
+        m = self._m()
+        if m.is_error() or m.is_stopped():  # nothing but the end of the answer
+            a = np.zeros(self.n_vocab, dtype=bool)
+            for t in (tokenizer_for(self.model).eos_tokens or []):
+                a[t] = True
+        else:
+            bits = np.frombuffer(m.compute_bitmask(), dtype=np.uint8)
+            a = np.unpackbits(bits, bitorder="little")[:self.n_vocab].astype(bool)
+        self.mask_s += time.perf_counter() - t0
+        self.masks += 1
+        return a
+
+    def consume(self, tokens) -> bool:
+        return self._m().consume_tokens([int(t) for t in tokens])
+
+    def rollback(self, n: int) -> bool:
+        return self._m().rollback(n)
+
+
+def constraint_for(response_format, model) -> Grammar | None:
+    g = grammar_of(response_format)
+    return Grammar(g, model) if g is not None else None
+

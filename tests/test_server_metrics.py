@@ -1,0 +1,108 @@
+"""`localspec serve`'s GET /metrics: Prometheus text that prometheus_client's own parser reads, with llama-server /
+vLLM names under `localspec:`, counters that move with each request, and `no_metrics` / `--no-metrics`."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+parser = pytest.importorskip("prometheus_client.parser")
+
+from test_server_hardening import KEY, open_api, serving, session  # noqa: E402,F401  (fixtures)
+
+
+def scrape(s, **headers) -> dict:
+    """{(sample name, frozenset(labels)): value} of one scrape."""
+    req = urllib.request.Request(s.url + "/metrics", headers=headers)
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    out = {}
+    for fam in parser.text_string_to_metric_families(text):
+        for smp in fam.samples:
+            out[(smp.name, frozenset(smp.labels.items()))] = smp.value
+    return out
+
+
+def v(m, name, **labels):
+    return m.get((name, frozenset(labels.items())), 0.0)
+
+
+SPEC = "localspec:spec_decode_"
+
+
+def test_metrics_parse_and_the_counters_move_after_a_request(open_api):
+    before = scrape(open_api)
+    for name in ("localspec:requests_total", "localspec:num_requests_waiting", "localspec:generation_tokens_total",
+                 SPEC + "num_drafts_total", SPEC + "num_draft_tokens_total", SPEC + "num_accepted_tokens_total",
+                 "localspec:time_to_first_token_seconds_count", "localspec:inter_token_latency_seconds_count"):
+        assert any(k[0] == name for k in before), name
+    assert v(before, "localspec:num_requests_waiting") == 0
+    c = open_api.client(max_retries=0)
+    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "count to ten"}], max_tokens=12)
+    ls = r.model_extra["localspec"]
+    after = scrape(open_api)
+    d = lambda name, **lb: v(after, name, **lb) - v(before, name, **lb)  # noqa: E731
+    assert d("localspec:requests_total", outcome="completed") == 1
+    assert d("localspec:generation_tokens_total") == r.usage.completion_tokens > 0
+    assert d("localspec:prompt_tokens_total") == r.usage.prompt_tokens
+    assert d(SPEC + "num_draft_tokens_total") == ls["drafted"]
+    assert d(SPEC + "num_accepted_tokens_total") == ls["accepted"]
+    assert d("localspec:time_to_first_token_seconds_count") == 1
+    assert d("localspec:inter_token_latency_seconds_count") == r.usage.completion_tokens - 1
+    per_pos = sum(d(SPEC + "num_accepted_tokens_per_pos_total", position=str(p)) for p in range(8))
+    assert per_pos == ls["accepted"]
+    assert ls["drafted"] > 0  # the tiny pair drafts with method draft, so the speculation counters did move
+    assert d(SPEC + "num_drafts_total") > 0
+
+
+def test_a_rejected_request_is_counted(open_api):
+    before = scrape(open_api)
+    status, _, _ = open_api.raw("POST", "/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "temperature": 9}')
+    assert status == 400  # a bad request never reaches the queue: no outcome counted
+    c = open_api.client(max_retries=0)
+    c.completions.create(model="x", prompt="hi", max_tokens=2)
+    after = scrape(open_api)
+    assert v(after, "localspec:requests_total", outcome="completed") - \
+        v(before, "localspec:requests_total", outcome="completed") == 1
+    assert v(after, "localspec:requests_total", outcome="failed") == v(before, "localspec:requests_total",
+                                                                         outcome="failed")
+
+
+def test_no_metrics_turns_the_route_off_and_the_key_guards_it(session):
+    from localspec.server.config import ServerConfig
+
+    with serving(session, ServerConfig(no_metrics=True)) as s:
+        assert s.raw("GET", "/metrics")[0] == 404
+    with serving(session, ServerConfig(api_key=KEY)) as s:
+        assert s.raw("GET", "/metrics")[0] == 401
+        assert scrape(s, Authorization=f"Bearer {KEY}")
+
+
+def test_each_app_has_its_own_registry(session):
+    from localspec.server.app import create_app
+
+    a = create_app(session, log=lambda m: None)
+    b = create_app(session, log=lambda m: None)
+    try:
+        assert a.state.metrics.registry is not b.state.metrics.registry
+    finally:
+        a.state.worker.stop()
+        b.state.worker.stop()
+
+
+def test_the_serve_command_has_no_metrics(monkeypatch):
+    from typer.testing import CliRunner
+
+    import localspec.server.app as A
+    from localspec.cli.app import app
+
+    seen = {}
+    monkeypatch.setattr(A, "serve", lambda sess, **kw: seen.update(kw))
+    monkeypatch.setattr("localspec.cli.serve.use_template", lambda *a: None)
+    r = CliRunner().invoke(app, ["serve", "--no-metrics"])
+    assert r.exit_code == 0, r.output
+    assert seen["no_metrics"] is True
