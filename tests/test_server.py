@@ -249,7 +249,7 @@ def test_malformed_completion_bodies_are_400(served, body, needle):
 
 @pytest.mark.parametrize("messages,needle", [
     ([], "at least one"),
-    ([{"role": "tool", "content": "x"}], "role"),
+    ([{"role": "robot", "content": "x"}], "role"),  # role "tool" is a tool result now (tools support)
     ([{"content": "x"}], "role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text parts"),
     ([{"role": "user", "content": 5}], "content"),
