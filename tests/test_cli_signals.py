@@ -9,7 +9,7 @@ import time
 import pytest
 
 from test_cli import isolated_config  # noqa: F401  (autouse fixture)
-from test_cli_hardening import long_model, start_long  # noqa: F401,F811  (fixture)
+from test_cli_hardening import long_model, start_long, wait_for_tokens  # noqa: F401,F811  (fixture)
 
 
 START = ("import runpy, sys; sys.stderr.write('started\\n'); sys.stderr.flush(); "
@@ -50,27 +50,6 @@ def test_two_quick_ctrl_c_keep_the_answer_and_exit_130(long_model, gap):  # noqa
         assert (first + out).strip()
 
 
-def _generating(p, timeout=180.0) -> None:
-    """Wait until `run` holds the machine-wide generation slot (taken right before generating), then a moment more:
-    --json/--no-stream print nothing to wait for."""
-    from filelock import FileLock, Timeout
-
-    from localspec.store.cachefile import cache_dir
-
-    lock = FileLock(str(cache_dir() / "locks" / "generation-slot-0.lock"))
-    t = time.monotonic()
-    while time.monotonic() - t < timeout:
-        assert p.poll() is None, p.communicate()
-        try:
-            lock.acquire(timeout=0)
-            lock.release()
-        except Timeout:
-            time.sleep(3.0)
-            return
-        time.sleep(0.1)
-    raise AssertionError("generation did not start")
-
-
 @pytest.mark.parametrize("mode", ["--json", "--no-stream"])
 def test_worker_death_under_json_or_no_stream_prints_the_answer_so_far(long_model, mode):  # noqa: F811
     """#19.4: the error said "the answer so far is kept", but --json and --no-stream left stdout empty."""
@@ -83,7 +62,7 @@ def test_worker_death_under_json_or_no_stream_prints_the_answer_so_far(long_mode
         p = subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(long_model), "--rpc", w.endpoint,
                               "-c", "16384", "-n", "16000", "--method", "none", "--raw", mode, "the cat"],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        _generating(p)
+        wait_for_tokens(p)
         w.kill()
         out, err = p.communicate(timeout=60)
     finally:
