@@ -3,6 +3,7 @@ local port with the tiny test models (in-process on a uvicorn thread; the CLI co
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -76,6 +77,25 @@ class Served:
         raise AssertionError(f"server never reached: {what}; /health says {self.health()}")
 
 
+@contextlib.contextmanager
+def running(app):
+    """A real uvicorn server for `app` on a free loopback port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    end = time.monotonic() + 30
+    while not server.started and time.monotonic() < end:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        th.join(30)
+
+
 @pytest.fixture(scope="module")
 def served(target_path, draft_path, tmp_path_factory):
     from localspec.server.app import create_app
@@ -91,20 +111,10 @@ def served(target_path, draft_path, tmp_path_factory):
                         "ctx_size": CTX}, quiet=True)
         sess.load()
         app = create_app(sess, queue_size=1, max_body=MAX_BODY, log=lambda m: None)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-        th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        th.start()
-        end = time.monotonic() + 30
-        while not server.started and time.monotonic() < end:
-            time.sleep(0.01)
-        assert server.started
         try:
-            yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, sess, _env(cfg_dir))
+            with running(app) as url:
+                yield Served(url, app, sess, _env(cfg_dir))
         finally:
-            server.should_exit = True
-            th.join(30)
             if app.state.worker.stop(timeout=30):  # never free the models under a running generation
                 sess.close()
 

@@ -7,9 +7,6 @@ import http.client
 import json
 import re
 import signal
-import socket
-import threading
-import time
 from contextlib import contextmanager
 
 import pytest
@@ -17,7 +14,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from test_server import CTX, LONG, PROMPT, Served, _env, _start, cli  # noqa: E402
+from test_server import CTX, LONG, PROMPT, Served, _env, _start, cli, running  # noqa: E402
 
 KEY = "k3y"
 UI = "http://ui.example:5173"  # a web UI the tests let in
@@ -28,20 +25,10 @@ def serving(session, config):
     from localspec.server.app import create_app
 
     app = create_app(session, config, log=lambda m: None)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    end = time.monotonic() + 30
-    while not server.started and time.monotonic() < end:
-        time.sleep(0.01)
-    assert server.started
     try:
-        yield Served(f"http://127.0.0.1:{sock.getsockname()[1]}", app, session, None)
+        with running(app) as url:
+            yield Served(url, app, session, None)
     finally:
-        server.should_exit = True
-        th.join(30)
         assert app.state.worker.stop(timeout=30)
 
 
