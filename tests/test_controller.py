@@ -134,7 +134,7 @@ def test_a_calibrated_curve_lets_the_controller_pick_a_cheaper_bigger_batch():
     guessed = VerifyCurve({1: T1, 2: curve(2), 3: curve(3)})
     assert best_k(est, guessed, 8, 0.0)[0] <= 2
     calibrated = VerifyCurve({1: T1, 2: curve(2), 3: curve(3)}, prior=measured)
-    assert calibrated.cost(4) == T1 * 1.65 and calibrated.cost(2) == curve(2)  # timings win over the prior
+    assert calibrated.cost(4) == T1 * 1.65 and calibrated.cost(2) == curve(2)  # T(1) x the calibrated ratio
     assert best_k(est, calibrated, 8, 0.0)[0] == 3
     p = AdaptivePolicy({"draft": FakeDrafter()}, k_max=8, cost_prior={"draft": 0.0}, verify_prior=measured)
     assert p.curve.prior == measured
@@ -200,3 +200,38 @@ def test_exactness_auto_leaves_the_bit_cap_only_when_a_bigger_k_pays():
     assert p.switched is None and max(ks) <= 2
     p, ks = run(flat, 0.3, 3)  # prose: low acceptance, bigger k does not pay enough
     assert p.switched is None and max(ks) <= 2
+
+
+def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated():
+    """Issue 21: on the same prompt `auto` left the bit cap in one run and kept it in the next (rename: 22.9 vs 19.4
+    tok/s in two rounds of one benchmark), because it judged k on live verify timings, which swing by 10-30% on a busy
+    2-core machine. With a calibrated curve T(b)/T(1), a step's cost is T(1) x that ratio: the same acceptances give
+    the same choices whatever the timings, and only the acceptances decide."""
+    measured = {b: 1 + 0.55 * (b - 1) for b in range(1, 10)}
+    accept = np.random.default_rng(7).random((300, 8))  # the same acceptance stream in every run
+
+    class Lookup(FakeLookup):
+        def match(self, context, k):
+            return [7] * k, 4
+
+    def run(noise_seed):
+        noise = np.random.default_rng(noise_seed)
+        p = AdaptivePolicy({"lookup": Lookup()}, k_max=8, cost_prior={"lookup": 0.0}, verify_prior=measured,
+                           bit_cap=2)
+        choices = []
+        for step in range(300):
+            drafter, k = p.choose([1, 2, 3])
+            choices.append(k if drafter is not None else 0)
+            jitter = 1.0 + 0.3 * noise.random()  # a busy machine only ever adds time
+            if drafter is None or k == 0:
+                p.observe(None, 0, 0, 0, 0.0, T1 * jitter)
+                continue
+            n = 0
+            while n < k and accept[step, n] < 0.85:
+                n += 1
+            p.observe(drafter, k, k, n, 0.0, T1 * measured[k + 1] * jitter)
+        return choices, p.switched
+
+    runs = [run(seed) for seed in range(6)]
+    assert max(max(c) for c, _ in runs) > 0  # it speculates at all
+    assert all(r == runs[0] for r in runs[1:])
