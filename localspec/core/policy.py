@@ -20,6 +20,7 @@ DECAY = 0.9  # weight kept by old observations at each new one (~10-step memory)
 PRIOR_WEIGHT = 2.0
 PRIOR_VERIFY_SLOPE = 0.35  # T(b)/T(1) = 1 + slope*(b-1) until measured (optimistic: gets tried, then learnt)
 PROBE_EVERY = 24  # steps between probes of a drafter that is not being used
+PROBE_EVERY_FREE = 8  # ... of one that costs nothing to ask (prompt lookup): a failed probe costs one verify row
 CATCH_UP_MAX = 8  # probe a draft model only when its cache is at most this far behind the context
 EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best k, to keep measuring it
 RECHECK_EVERY = 4 * PROBE_EVERY  # a drafter that looks hopeless is still probed this often: its figures may be stale
@@ -230,14 +231,20 @@ class AdaptivePolicy:
             t_tok = self._t_token(name, plain)
             cap = k_cap if self.bit_cap is None else min(k_cap, self.bit_cap)
             k, rate = best_k(est, self.curve, cap, t_tok)
-            if cap < k_cap and est.tried and est.tried[0] >= SWITCH_EVIDENCE:
+            if cap < k_cap:
                 k_full, rate_full = best_k(est, self.curve, k_cap, t_tok)
                 bit_best = max(rate, plain)
                 if k_full > cap and rate_full > SWITCH_MARGIN * bit_best:
-                    self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
-                                     f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
-                    self.bit_cap = None
-                    k, rate, cap = k_full, rate_full, k_cap
+                    if est.tried and est.tried[0] >= SWITCH_EVIDENCE:
+                        self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
+                                         f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
+                        self.bit_cap = None
+                        k, rate, cap = k_full, rate_full, k_cap
+                    else:
+                        # a bigger k would pay, on figures not yet measured: gather them within the cap (bit-exact),
+                        # even where the capped k alone would not pay. Without this, a cap under which nothing pays
+                        # (a 3-row verify dearer than a 4-row one) never produced the evidence to leave it.
+                        k, rate = cap, rate_full
             if k:
                 options.append((rate, name, k, cap, t_tok))
         options.sort(reverse=True)
@@ -249,13 +256,14 @@ class AdaptivePolicy:
             return self.drafters[name], k
         # speculation does not pay right now; probe a drafter now and then, if it could win at all
         for rate, name, k, k_cap, t_tok in options:
-            if self.since_used[name] < PROBE_EVERY:
+            every = PROBE_EVERY_FREE if self.cost_prior.get(name) == 0.0 else PROBE_EVERY
+            if self.since_used[name] < every:
                 continue
             if self.drafters[name].lag(context) > CATCH_UP_MAX:
                 continue  # a probe would first decode the whole prompt on the draft model: not worth a guess
             c = self.curve.cost(k + 1)
             hopeless = c is None or (k + 1) / (k * t_tok + c) <= plain
-            if hopeless and self.since_used[name] < RECHECK_EVERY:
+            if hopeless and self.since_used[name] < RECHECK_EVERY * every // PROBE_EVERY:
                 continue  # even with every draft accepted it would lose, on the figures so far
             self.since_used[name] = 0
             self._probing = name

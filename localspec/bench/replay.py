@@ -1,0 +1,129 @@
+"""Replay the speculation controller on recorded answers, without a model and without timing noise.
+
+At temperature 0 the target's answer to a prompt is fixed, so what a drafter proposes at each step and how much of
+it the target accepts follow from the recorded tokens alone; a step's cost is T(b)/T(1) from a verify curve (the
+calibration `localspec` measures per machine). Replaying `auto` and fixed settings over the same record compares
+their choices exactly: the same figures every run, where timed runs on a 2-core machine spread by 5-10%.
+
+    python -m localspec.bench.replay TRACES.json [--tokens N] [--curve avx2|avx512|flat]
+
+Record traces with `record()` (a loaded Engine and prompts): each is {"id", "prompt": [...], "output": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from typing import Callable, Sequence
+
+from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
+from localspec.drafters.prompt_lookup import PromptLookupDrafter
+
+# T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
+CURVES = {
+    "avx2": {1: 1.0, 2: 1.60, 3: 2.19, 4: 2.67, 5: 3.27, 6: 3.81, 7: 4.46, 8: 6.64, 9: 7.07},
+    "avx512": {1: 1.0, 2: 1.5, 3: 1.9, 4: 1.65, 5: 2.2, 6: 2.5, 7: 2.8, 8: 3.0, 9: 3.2},
+    "flat": {b: 1.0 + 0.02 * (b - 1) for b in range(1, 10)},  # a GPU: a batch of 9 costs about one row
+}
+T1 = 0.065  # seconds per one-token step (only scales the figures)
+
+
+def step_cost(curve: dict[int, float], rows: int) -> float:
+    if rows in curve:
+        return T1 * curve[rows]
+    top = max(curve)
+    return T1 * (curve[top] + (curve[top] - curve[top - 1]) * (rows - top))
+
+
+def replay(trace: dict, make_policy: Callable[[], Policy], curve: dict[int, float], n: int | None = None) -> dict:
+    """Decode `trace` again under the policy: returns tokens/s (simulated), steps and acceptance counts."""
+    prompt = [int(t) for t in trace["prompt"]]
+    out = [int(t) for t in trace["output"]][:n]
+    policy = make_policy()
+    for d in policy.drafters.values():
+        d.begin(prompt)
+    ctx = prompt + out[:1]  # the first token comes from the prompt's own pass
+    i, t = 1, 0.0
+    steps = spec = drafted = accepted = 0
+    while i < len(out):
+        drafter, k = policy.choose(ctx)
+        k = max(0, min(k, len(out) - i - 1))
+        tokens = drafter.propose(ctx, k, None, None).tokens if (drafter is not None and k > 0) else []
+        n_acc = 0
+        while n_acc < len(tokens) and tokens[n_acc] == out[i + n_acc]:
+            n_acc += 1
+        cost = step_cost(curve, len(tokens) + 1)
+        t += cost
+        policy.observe(drafter, k, len(tokens), n_acc, 1e-6 if tokens else None, cost)
+        if drafter is not None and tokens:
+            drafter.accept(len(tokens), n_acc)
+            spec += 1
+            drafted += len(tokens)
+            accepted += n_acc
+        new = out[i:i + n_acc + 1]
+        ctx += new
+        i += len(new)
+        steps += 1
+    return {"rate": (len(out) - 1) / t if t else 0.0, "steps": steps, "spec_steps": spec, "drafted": drafted,
+            "accepted": accepted, "switched": getattr(policy, "switched", None)}
+
+
+def plain() -> Callable[[], Policy]:
+    return lambda: FixedPolicy(None, 0)
+
+
+def lookup(k: int) -> Callable[[], Policy]:
+    return lambda: FixedPolicy(PromptLookupDrafter(), k)
+
+
+def auto(curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2) -> Callable[[], Policy]:
+    """`auto` with prompt lookup as `localspec run` builds it (the draft model left out: it never pays on a CPU)."""
+    return lambda: AdaptivePolicy({"lookup": PromptLookupDrafter()}, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+
+
+def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None) -> dict[str, dict[str, float]]:
+    """Speedup over plain per config and trace id."""
+    configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
+               "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
+    base = {tr["id"]: replay(tr, plain(), curve, n)["rate"] for tr in traces}
+    return {name: {tr["id"]: replay(tr, mk, curve, n)["rate"] / base[tr["id"]] for tr in traces}
+            for name, mk in configs.items()}
+
+
+def record(engine, prompts: Sequence[dict], max_tokens: int = 160) -> list[dict]:
+    """Greedy answers of the engine's target to each {"id", "prompt"} (chat-rendered), for replay()."""
+    from localspec.core.engine import GenConfig
+
+    out = []
+    for p in prompts:
+        toks = engine.chat_prompt([{"role": "user", "content": p["prompt"]}])
+        fin = engine.complete(toks, GenConfig(method="none", max_tokens=max_tokens))
+        out.append({"id": p["id"], "prompt": toks, "output": fin.tokens})
+    return out
+
+
+def load(path) -> list[dict]:
+    with open(path) as f:
+        data = json.load(f)
+    return data["traces"] if isinstance(data, dict) else data
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m localspec.bench.replay", description=__doc__.splitlines()[0])
+    ap.add_argument("traces")
+    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--curve", choices=sorted(CURVES), default="avx2")
+    a = ap.parse_args(argv)
+    traces = load(a.traces)
+    rows = table(traces, CURVES[a.curve], a.tokens)
+    ids = [tr["id"] for tr in traces]
+    print(f"{'':18}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
+    for name, r in rows.items():
+        g = math.exp(sum(math.log(r[i]) for i in ids) / len(ids))
+        print(f"{name:18}" + "".join(f"{r[i]:11.3f}" for i in ids) + f"{g:11.3f}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    raise SystemExit(main())
