@@ -185,3 +185,23 @@ def test_where_batching_is_not_bit_exact_batched_requests_say_lossless(engine, t
         assert "batched" in r.stats.exactness_reason and "change" in r.stats.exactness_reason
     finally:
         b.close()
+
+
+def test_one_unified_cache_means_lossless(engine):
+    """A shared KV cache leaves a request's cells out of position order after the others' rollbacks: at bit the
+    batched requests say lossless, and why."""
+    b = BatchEngine(engine, 2, unified=True)
+    try:
+        exact, why = b.probe()
+        assert not exact and "position order" in why
+        r = b.generate_all([(engine.raw_prompt(PROMPTS[0]), cfg_for("none", exactness="bit"))] * 2)
+        assert all(x.stats.exactness == "lossless" and "position order" in x.stats.exactness_reason for x in r)
+        assert r[0].tokens == alone(engine, PROMPTS[0], cfg_for("none")).tokens  # wide margins: same text
+    finally:
+        b.close()
+
+
+def test_bit_requests_in_separate_streams_stay_bit(engine, batch):
+    r = batch.generate_all([(engine.raw_prompt(p), cfg_for("none", exactness="bit")) for p in PROMPTS])
+    assert all(x.stats.exactness == "bit" for x in r)
+    assert [x.tokens for x in r] == [alone(engine, p, cfg_for("none", exactness="bit")).tokens for p in PROMPTS]

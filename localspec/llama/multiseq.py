@@ -1,6 +1,7 @@
 """Several sequences in one context: a second llama.cpp context on a loaded Model's weights with `n_seq` slots
-(seq_id 0..n_seq-1) in one unified KV cache of n_seq * n_ctx cells, so every slot can grow to the model's n_ctx,
-and one `llama_decode` over rows of several sequences (what llama-server's continuous batching does).
+(seq_id 0..n_seq-1), n_seq * n_ctx KV cells (one stream of n_ctx per sequence, or one unified cache), so every
+slot can grow to the model's n_ctx, and one `llama_decode` over rows of several sequences (what llama-server's
+continuous batching does).
 
 The Model's own context (sequence 0, the single-sequence path) is untouched: this context shares only the
 weights. Same settings as Model's context (flash attention, the same KV type, threads). Rollback is
@@ -25,7 +26,10 @@ class MultiSeq:
     """`n_seq` token-tracked sequences of `model` decoded together. `tokens[s]`: the tokens whose KV is cached
     for sequence s, position i = tokens[s][i]. Not thread-safe (one caller thread, as Model)."""
 
-    def __init__(self, model, n_seq: int, *, n_ctx: int | None = None) -> None:
+    def __init__(self, model, n_seq: int, *, n_ctx: int | None = None, unified: bool = False) -> None:
+        """unified: one KV cache for all sequences (a batch is one ubatch; a sequence's cells may end up out of
+        position order after other sequences' rollbacks). False: one KV stream per sequence (cells stay in order,
+        as in a single-sequence context; llama.cpp splits a batch into ubatches of equal rows per sequence)."""
         if n_seq < 1:
             raise UsageError(f"need at least one sequence, got {n_seq}")
         if getattr(model, "rollback_kind", "kv") != "kv":
@@ -40,7 +44,8 @@ class MultiSeq:
         cparams.n_ctx = self.n_ctx * self.n_seq
         cparams.n_batch = cparams.n_ubatch = model.n_batch
         cparams.n_seq_max = self.n_seq
-        cparams.kv_unified = True  # one cache: a batch with rows of several sequences is one ubatch
+        cparams.kv_unified = bool(unified)
+        self.unified = bool(unified)
         cparams.n_threads = cparams.n_threads_batch = model.n_threads
         cparams.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED
         cparams.type_k = cparams.type_v = GGML_TYPES[model.kv_type]

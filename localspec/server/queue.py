@@ -166,6 +166,10 @@ class Worker:
     # ------------------------------------------------------------ parallel > 1
     def _run_batched(self) -> None:
         batch = self.batch
+        try:
+            batch.probe()  # once, before the first request (it clears the caches)
+        except Exception:  # pragma: no cover - the first add() probes again and reports the error to its client
+            self.log("localspec serve: the batch exactness probe failed:\n" + traceback.format_exc().rstrip())
         stopping = False
         with contextlib.ExitStack() as slot:
             holding = False  # the machine-wide generation slot (session.generation_slot), while anything runs
