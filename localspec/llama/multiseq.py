@@ -76,24 +76,28 @@ class MultiSeq:
             raise ValueError("decode() needs at least one token")
         if total > self.n_batch:
             raise ValueError(f"{total} rows do not fit a batch of {self.n_batch}")
+        # rows in increasing seq order: with one stream per sequence llama.cpp puts only consecutive seq ids
+        # in one ubatch, in the order the batch gives them
+        order = sorted(range(len(parts)), key=lambda j: parts[j][0])
         b = self._batch
         i = 0
-        n_out = []
-        for seq, toks, rows in parts:
+        n_out = [0] * len(parts)
+        for j in order:
+            seq, toks, rows = parts[j]
             if not 0 <= seq < self.n_seq:
                 raise ValueError(f"no sequence {seq}")
             base = len(self.tokens[seq])
             if base + len(toks) > self.n_ctx:
                 raise DecodeError(f"{self.name}: context full ({base} + {len(toks)} > {self.n_ctx} tokens)")
             want = set(rows)
-            for j, t in enumerate(toks):
+            for k, t in enumerate(toks):
                 b.token[i] = int(t)
-                b.pos[i] = base + j
+                b.pos[i] = base + k
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = seq
-                b.logits[i] = j in want
+                b.logits[i] = k in want
                 i += 1
-            n_out.append(len(want))
+            n_out[j] = len(want)
         b.n_tokens = total
         t0 = time.perf_counter()
         rc = _ll.llama_decode(self._ctx, b)
@@ -103,19 +107,20 @@ class MultiSeq:
             raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
         for seq, toks, _ in parts:
             self.tokens[seq].extend(int(t) for t in toks)
-        out = []
         n_all = sum(n_out)
         arr = None
         if n_all:
             ptr = _ll.llama_get_logits(self._ctx)
             arr = np.ctypeslib.as_array(ptr, shape=(n_all, self.n_vocab))
+        out: list = [None] * len(parts)
         start = 0
-        for n in n_out:
+        for j in order:
+            n = n_out[j]
             if n == 0:
-                out.append(np.empty((0, self.n_vocab), dtype=np.float32))
+                out[j] = np.empty((0, self.n_vocab), dtype=np.float32)
                 continue
             view = arr[start:start + n]
-            out.append(np.array(view, copy=True) if copy else view)
+            out[j] = np.array(view, copy=True) if copy else view
             start += n
         return out
 
