@@ -205,3 +205,14 @@ def test_bit_requests_in_separate_streams_stay_bit(engine, batch):
     r = batch.generate_all([(engine.raw_prompt(p), cfg_for("none", exactness="bit")) for p in PROMPTS])
     assert all(x.stats.exactness == "bit" for x in r)
     assert [x.tokens for x in r] == [alone(engine, p, cfg_for("none", exactness="bit")).tokens for p in PROMPTS]
+
+
+def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
+    from tinymodels import write_mamba
+
+    e = Engine.load(write_mamba(tmp_path / "mamba.gguf", 3), n_ctx=512)
+    try:
+        with pytest.raises(UsageError, match="recurrent"):
+            BatchEngine(e, 2)
+    finally:
+        e.close()
