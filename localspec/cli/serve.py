@@ -14,6 +14,7 @@ EPILOG = (
     "Examples:\n\n"
     "  localspec serve\n\n"
     "  localspec serve -m ./model.gguf -d ./draft.gguf --port 8000\n\n"
+    "  localspec serve --parallel 4   # four requests decoded together\n\n"
     "  LOCALSPEC_API_KEY=secret localspec serve --host 0.0.0.0"
 )
 
@@ -43,11 +44,14 @@ def serve(
     max_k: Annotated[Optional[int], typer.Option("--max-k", help="Largest per-request localspec.k (default: -k).", show_default=False)] = None,
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
     no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch, each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     from localspec.server.app import serve as run_server
+    from localspec.server.config import ServerConfig
     from localspec.session import Session
 
+    config = ServerConfig(parallel=parallel).check()  # a bad --parallel before anything loads
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
         temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
@@ -55,4 +59,5 @@ def serve(
     ))
     use_template(sess, chat_template)
     run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue, allowed_hosts=allowed_hosts,
-               cors_origins=cors_origins or (), max_k=max_k, strict_model=strict_model, no_metrics=no_metrics)
+               cors_origins=cors_origins or (), max_k=max_k, strict_model=strict_model, no_metrics=no_metrics,
+               config=config)

@@ -84,7 +84,7 @@ class Generations:
         self.cfg = cfg
         self.name = model_id(session)
         self.accepted_names = {self.name, session.target_path.name, session.target_path.stem, *ALIASES}
-        self.worker = Worker(session, cfg.queue_size, log)
+        self.worker = Worker(session, cfg.queue_size, log, parallel=cfg.parallel or 1)
         self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
         self.worker.metrics = self.metrics
 
@@ -211,7 +211,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     cfg = _config(config, api_key=api_key, queue_size=queue_size, max_body=max_body).check()
     if session.engine is None:
         session.load()
-    cfg = cfg.resolved(S.gen_config(session.values()).k)
+    cfg = cfg.resolved(S.gen_config(session.values()).k, on_gpu=getattr(session.engine.target, "n_gpu_layers", 0) != 0)
     gens = Generations(session, cfg, log)
     engine, base, name, worker = gens.engine, gens.base, gens.name, gens.worker
     created = int(time.time())
@@ -305,8 +305,9 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": name, "generating": worker.current is not None, "queued": worker.waiting,
-                "queue_size": worker.queue_size, "generations": dict(worker.counts)}
+        return {"status": "ok", "model": name, "generating": worker.active > 0, "queued": worker.waiting,
+                "queue_size": worker.queue_size, "generations": dict(worker.counts),
+                "slots": worker.parallel, "active_slots": worker.active}
 
     return app
 

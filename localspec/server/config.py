@@ -14,6 +14,12 @@ from localspec.errors import UsageError
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8080
 DEFAULT_QUEUE = 8  # requests that may wait while one generates
+# --parallel: requests decoded together in one batch (core/batch.py). The one place to change the default: on a
+# CPU-only machine (compute-bound: a batch of 4 costs nearly 4 single decodes) 1 until a measurement shows a gain,
+# with layers on a GPU (a batch of 4 costs about one) 4.
+PARALLEL_CPU = 1
+PARALLEL_GPU = 4
+MAX_PARALLEL = 64
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
 MAX_STOPS = 16
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
@@ -47,6 +53,7 @@ class ServerConfig:
     max_k: Optional[int] = None
     strict_model: bool = False
     no_metrics: bool = False
+    parallel: Optional[int] = None  # slots decoded together (None: default_parallel)
 
     def __post_init__(self) -> None:
         for name in ("allowed_hosts", "cors_origins"):  # a list or a comma-separated string is fine too
@@ -66,17 +73,26 @@ class ServerConfig:
             raise UsageError(f"body limit must be >= 1 byte, got {self.max_body}")
         if not 0 <= self.port <= 65535:
             raise UsageError(f"port must be between 0 and 65535, got {self.port}")
+        if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
+            raise UsageError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if self.max_k is not None and self.max_k < 1:
             raise UsageError(f"max k must be >= 1, got {self.max_k}")
         return self
 
-    def resolved(self, default_k: int) -> "ServerConfig":
-        """With the defaults that depend on the environment and the session filled in."""
+    def resolved(self, default_k: int, on_gpu: bool = False) -> "ServerConfig":
+        """With the defaults that depend on the environment and the session filled in (on_gpu: the target's layers
+        are on a GPU)."""
         hosts = self.allowed_hosts
         if hosts is None:
             hosts = split_list(os.environ.get(ALLOWED_HOSTS_ENV))
         max_k = self.max_k if self.max_k is not None else max(1, int(default_k))
-        return dataclasses.replace(self, allowed_hosts=hosts, max_k=max_k)
+        parallel = self.parallel if self.parallel is not None else default_parallel(on_gpu)
+        return dataclasses.replace(self, allowed_hosts=hosts, max_k=max_k, parallel=parallel)
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)
+
+
+def default_parallel(on_gpu: bool) -> int:
+    """serve's --parallel when none is given: PARALLEL_GPU with the target on a GPU, else PARALLEL_CPU."""
+    return PARALLEL_GPU if on_gpu else PARALLEL_CPU

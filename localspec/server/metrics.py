@@ -30,10 +30,15 @@ class Metrics:
         for o in OUTCOMES:
             self.requests.labels(outcome=o)  # every outcome shows from the start, at 0
         self.queue = Gauge(P + "num_requests_waiting", "Requests queued, not started.", registry=r)
-        self.running = Gauge(P + "num_requests_running", "Requests generating now (0 or 1).", registry=r)
+        self.running = Gauge(P + "num_requests_running", "Requests generating now (at most the slots).", registry=r)
+        self.slots = Gauge(P + "num_slots", "Requests that may be decoded together (serve --parallel).",
+                           registry=r)
+        self.slots_active = Gauge(P + "num_slots_active", "Slots generating now.", registry=r)
         if worker is not None:
             self.queue.set_function(lambda: worker.waiting)
-            self.running.set_function(lambda: 1 if worker.current is not None else 0)
+            self.running.set_function(lambda: worker.active)
+            self.slots.set_function(lambda: worker.parallel)
+            self.slots_active.set_function(lambda: worker.active)
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS,
                               registry=r)
         self.itl = Histogram(P + "inter_token_latency_seconds", "Time between emitted tokens.",

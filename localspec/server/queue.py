@@ -1,10 +1,16 @@
-"""One generation at a time: the engine is not thread-safe, so one worker thread runs every generation in turn and
-requests wait in a bounded queue (full: 503 with Retry-After). A client that goes away cancels its generation
-within one decoding step."""
+"""Generations on one worker thread (the engine is not thread-safe); requests wait in a bounded queue (full: 503 with
+Retry-After). A client that goes away cancels its generation within one decoding step.
+
+parallel 1: one generation at a time, in turn (the Engine). parallel N > 1: up to N requests decoded together by a
+BatchEngine (core/batch.py: one llama_decode a step over every active slot); requests join between steps, in the
+order they came. A request the batch cannot take (structured output, method draft/eagle3/mtp) waits until the
+running ones are done, then runs alone on the Engine; requests behind it wait behind it (first come, first served).
+A cancelled request (its client went away) leaves its slot at the next step; the others go on unchanged."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import queue
 import threading
@@ -31,6 +37,8 @@ class Job:
     events: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
     checked: float = field(default_factory=time.monotonic)  # when the client's connection was last checked
+    started: float = 0.0  # perf_counter() when it joined a batch
+    done: bool = False  # its Finished (or error) was posted (batched jobs)
 
     def post(self, item) -> None:
         try:
@@ -46,9 +54,22 @@ def shutting_down() -> APIError:
 class Worker:
     """Runs generations one at a time on the session's engine, in the order they came."""
 
-    def __init__(self, session, queue_size: int, log: Callable[[str], None], metrics=None) -> None:
+    def __init__(self, session, queue_size: int, log: Callable[[str], None], metrics=None, parallel: int = 1) -> None:
         if queue_size < 1:
             raise UsageError(f"queue size must be >= 1, got {queue_size}")
+        if parallel < 1:
+            raise UsageError(f"--parallel must be >= 1, got {parallel}")
+        self.batch = None  # the BatchEngine (parallel > 1)
+        self.parallel = 1
+        if parallel > 1:
+            from localspec.core.batch import BatchEngine
+
+            try:
+                self.batch = BatchEngine(session.engine, parallel)
+                self.parallel = parallel
+            except UsageError as exc:  # a recurrent/hybrid target: one at a time
+                log(f"warning: --parallel {parallel} ignored: {exc}")
+        self.running: list[Job] = []  # jobs in the batch's slots
         self.session = session
         self.queue_size = queue_size
         self.log = log
@@ -60,7 +81,9 @@ class Worker:
         self.closing = False  # shutting down: no new work, open requests answered "shutting down"
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
         self.recent_s: deque = deque(maxlen=16)  # durations of recent generations (for Retry-After)
-        self._thread = threading.Thread(target=self._run, name="localspec-serve", daemon=True)
+        self._held: Job | None = None  # a job for the single-sequence path, waiting for the batch to empty
+        self._thread = threading.Thread(target=self._run if self.batch is None else self._run_batched,
+                                        name="localspec-serve", daemon=True)
         self._thread.start()
 
     def submit(self, job: Job) -> None:
@@ -99,21 +122,32 @@ class Worker:
         requests get a 503. Called on the event loop's thread."""
         with self._lock:
             self.closing = True
-            job = self.current
-        if job is not None and not job.cancel.is_set():
-            job.post(shutting_down())  # queued on the loop before the generation's own "cancelled" end
-            job.cancel.set()
+            jobs = [j for j in (self.current, self._held, *self.running) if j is not None]
+        for job in jobs:
+            if not job.cancel.is_set():
+                job.post(shutting_down())  # queued on the loop before the generation's own "cancelled" end
+                job.cancel.set()
         self._drain()
 
     def stop(self, timeout: float = 30.0) -> bool:
         """Cancel the running and queued generations and end the thread; True when it ended."""
         with self._lock:
-            if self.current is not None:
-                self.current.cancel.set()
+            for job in (self.current, self._held, *self.running):
+                if job is not None:
+                    job.cancel.set()
         self._drain()
         self._q.put(None)
         self._thread.join(timeout)
-        return not self._thread.is_alive()
+        ended = not self._thread.is_alive()
+        if ended and self.batch is not None:
+            self.batch.close()  # before the session frees the model it lives on
+            self.batch = None
+        return ended
+
+    @property
+    def active(self) -> int:
+        """Generations running now (batch slots in use, or the one single-sequence generation)."""
+        return len(self.running) + (1 if self.current is not None else 0)
 
     def _run(self) -> None:
         while True:
@@ -129,7 +163,120 @@ class Worker:
                 with self._lock:
                     self.current = None
 
-    def _one(self, job: Job) -> None:
+    # ------------------------------------------------------------ parallel > 1
+    def _run_batched(self) -> None:
+        batch = self.batch
+        try:
+            batch.probe()  # once, before the first request (it clears the caches)
+        except Exception:  # pragma: no cover - the first add() probes again and reports the error to its client
+            self.log("localspec serve: the batch exactness probe failed:\n" + traceback.format_exc().rstrip())
+        stopping = False
+        with contextlib.ExitStack() as slot:
+            holding = False  # the machine-wide generation slot (session.generation_slot), while anything runs
+            while True:
+                if not stopping and not self._admit(block=not self.running):
+                    stopping = True  # stop(): the running jobs are cancelled; end them, then return
+                if stopping and not self.running:
+                    if self._held is not None:
+                        self._held = None
+                        self._count("cancelled")
+                    return
+                if not holding and (self.running or self._held is not None):
+                    slot.enter_context(S.generation_slot(waiting=self.log))
+                    holding = True
+                if self._held is not None and not self.running:
+                    job, self._held = self._held, None
+                    with self._lock:
+                        self.current = job
+                    try:
+                        self._one(job, slot_taken=True)
+                    finally:
+                        with self._lock:
+                            self.current = None
+                elif self.running:
+                    try:
+                        batch.step()
+                    except Exception as exc:  # a failed decode fails the requests in the batch, not the worker
+                        self._fail_batch(exc)
+                    with self._lock:
+                        self.running = [j for j in self.running if not j.done]
+                if holding and not self.running and self._held is None and self._q.empty():
+                    slot.close()
+                    holding = False
+
+    def _admit(self, block: bool) -> bool:
+        """Move queued jobs into free slots (blocking for the first one when nothing runs). False: stop."""
+        batch = self.batch
+        while self._held is None and batch.free:
+            try:
+                job = self._q.get(timeout=None) if block else self._q.get_nowait()
+            except queue.Empty:
+                return True
+            block = False
+            if job is None:
+                return False
+            with self._lock:
+                self.waiting -= 1
+            if job.cancel.is_set():  # the client left while queued
+                self._count("cancelled")
+                continue
+            try:
+                if batch.single_reason(job.cfg):
+                    self._held = job  # runs alone once the batch is empty
+                    return True
+                tokens = job.build(self.session.engine)
+                job.started = time.perf_counter()
+                batch.add(tokens, job.cfg, cancel=job.cancel, sink=self._sink(job))
+            except Exception as exc:
+                self._failed(job, exc)
+                self.recent_s.append(0.0)
+                continue
+            with self._lock:
+                self.running.append(job)
+        return True
+
+    def _sink(self, job: Job):
+        m = self.metrics
+        last = [None]
+
+        def sink(ev) -> None:
+            job.post(ev)
+            if isinstance(ev, Piece) and m is not None:
+                now = time.perf_counter()
+                m.token(None if last[0] is None else now - last[0])
+                last[0] = now
+            elif isinstance(ev, Finished):
+                job.done = True
+                self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
+                self.recent_s.append(time.perf_counter() - job.started)
+                if m is not None:
+                    m.request_done(ev)
+        return sink
+
+    def _fail_batch(self, exc: Exception) -> None:
+        self.batch.fail_all()
+        for job in self.running:
+            if not job.done:
+                job.done = True
+                self._failed(job, exc)
+
+    def _failed(self, job: Job, exc: Exception) -> None:
+        self._count("failed")
+        if isinstance(exc, UsageError):
+            job.post(setting_error(exc))
+        elif isinstance(exc, ContextOverflowError):
+            job.post(setting_error(exc, code="context_length_exceeded"))
+        elif isinstance(exc, LocalspecError):
+            job.post(setting_error(exc, 500))
+        elif isinstance(exc, APIError):
+            job.post(exc)
+        else:  # a bug must not kill the worker: log it here, answer one line
+            self.log("localspec serve: generation failed:\n" + "".join(
+                traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
+            job.post(APIError(500, f"internal error: {type(exc).__name__}"))
+
+    # ------------------------------------------------------------ one generation on the Engine
+    def _one(self, job: Job, slot_taken: bool = False) -> None:
         if job.cancel.is_set():  # the client left while queued
             self._count("cancelled")
             return
@@ -137,7 +284,7 @@ class Worker:
         engine = self.session.engine
         try:
             tokens = job.build(engine)
-            with S.generation_slot(waiting=self.log):
+            with (contextlib.nullcontext() if slot_taken else S.generation_slot(waiting=self.log)):
                 last = None  # when the previous token came (inter-token latency)
                 m = self.metrics
                 for ev in engine.generate(tokens, job.cfg, cancel=job.cancel):

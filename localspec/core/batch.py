@@ -1,0 +1,415 @@
+"""Continuous batching: several generations decoded together over one target, with speculation per request.
+
+A `BatchEngine` keeps N slots, one llama.cpp sequence each (llama/multiseq.py: a second context on the target's
+weights, one unified KV cache). A step gathers every active slot's rows into ONE llama_decode: a generating slot
+contributes its pending token and its drafted tokens ([pending, d1..dk], logits at every row), a joining slot a
+chunk of its prompt (at most `prefill_chunk` tokens a step, so a long prompt does not stall the others). Then per
+slot: verify (greedy or speculative sampling with the request's own rng), roll the rejected rows back
+(llama_memory_seq_rm on that sequence only), stats, stop strings, max_tokens, cancel. Requests join and leave
+between steps; a finished slot's cache stays, so the next request with the same prefix (a continued chat) reuses it.
+
+Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
+
+Speculation in a batch: prompt lookup (one drafter per slot, with its own index). `method auto` uses prompt lookup
+only here; the draft model, EAGLE-3/MTP heads and grammar-constrained requests take the single-sequence Engine
+(`single_reason` says why). The adaptive controller sees each slot's share of the batch's decode time (the step's
+time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the batch a
+drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
+
+Exactness: llama.cpp's logits for a row may depend on what else is in the batch and on where its KV cells lie.
+By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in position
+order as in the single-sequence context, and llama.cpp splits a batch into ubatches of equal rows per sequence.
+`probe()` decodes a sequence's tokens alone and with other sequences' rows (and their rollbacks) beside them and
+compares the logits bit for bit. Where they match, `bit` requests keep their single-decoding output (k capped as
+Engine caps it); where not, batched requests run at `lossless` and their stats say so (exactness_reason).
+LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one ubatch a step); after rollbacks a slot's cells are out of
+position order and attention sums them in cell order (measured: outputs differ in float noise), so batched
+requests always run at `lossless` there.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from localspec.core import defaults as D
+from localspec.core.engine import Engine, Finished, GenConfig, Piece, _env_allows_inexact, _fit_ctx
+from localspec.core.policy import AdaptivePolicy, FixedPolicy
+from localspec.core.sampling import probs, sample
+from localspec.core.stats import Stats
+from localspec.core.text import TextAssembler
+from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.drafters import PromptLookupDrafter, Proposal
+from localspec.errors import ContextOverflowError, UsageError
+from localspec.seq import common_prefix
+
+PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog"
+SINGLE_METHODS = ("draft", "eagle3", "mtp")  # methods that need the single-sequence Engine
+
+
+class _Run:
+    """One request in a slot."""
+
+    def __init__(self, seq: int, prompt: list[int], cfg: GenConfig, cancel, sink, stats: Stats, policy,
+                 prefill: list[int]) -> None:
+        self.seq = seq
+        self.cfg = cfg
+        self.cancel = cancel
+        self.sink = sink
+        self.stats = stats
+        self.policy = policy
+        self.context = prompt  # grows; the last element is pending once the prompt is decoded
+        self.prefill = prefill  # prompt tokens not decoded yet
+        self.rng = np.random.default_rng(cfg.sampling.seed)
+        self.text = TextAssembler(cfg.stop)
+        self.out: list[int] = []
+        self.finish: str | None = None
+        self.t0 = time.perf_counter()
+        self.step: tuple | None = None  # this step's (drafter, k, proposal, base, t_draft)
+
+
+class BatchEngine:
+    """N slots over `engine`'s target. Not thread-safe: one thread calls add() and step()."""
+
+    def __init__(self, engine: Engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
+                 unified: bool | None = None) -> None:
+        from localspec.llama.multiseq import MultiSeq
+
+        if n_slots < 1:
+            raise UsageError(f"need at least one slot, got {n_slots}")
+        self.engine = engine
+        self.target = engine.target
+        if unified is None:
+            unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
+        self.ms = MultiSeq(engine.target, n_slots, unified=unified)
+        self.n_slots = n_slots
+        self.n_ctx = self.ms.n_ctx
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.runs: list[_Run | None] = [None] * n_slots
+        self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
+        self.controller_state: dict = {}
+        self._exact: tuple[bool, str] | None = None
+        self.steps = 0  # batched decodes so far
+        self.rows = 0  # rows in them
+
+    # ------------------------------------------------------------ what runs here
+    @property
+    def active(self) -> int:
+        return sum(r is not None for r in self.runs)
+
+    @property
+    def free(self) -> int:
+        return self.n_slots - self.active
+
+    def single_reason(self, cfg: GenConfig) -> str:
+        """Why `cfg` takes the single-sequence Engine instead of a slot ('' when it can be batched)."""
+        if cfg.constraint is not None:
+            return "structured output (a grammar) runs on the single-sequence path"
+        method = self.engine.resolve_method(cfg)
+        if method in SINGLE_METHODS and cfg.k > 0:
+            return f"method {method} runs on the single-sequence path (batches speculate with prompt lookup)"
+        return ""
+
+    def probe(self) -> tuple[bool, str]:
+        """(exact, why): whether a sequence's logits stay bit-identical when other sequences' rows share its
+        batch, and one-token decoding here equals the target's own context. Once per BatchEngine; clears the
+        slots' caches and the target's single-sequence cache (call it before the first request)."""
+        if self._exact is None:
+            self._exact = self._probe()
+        return self._exact
+
+    def _probe(self) -> tuple[bool, str]:
+        ms, target = self.ms, self.target
+        toks = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab][:6]
+        if len(toks) < 2:
+            toks = [1, 2, 3, 4]
+        if self.n_slots < 2:
+            return True, "one slot: nothing else shares its batches"
+        if ms.unified:
+            return False, ("all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other requests' rollbacks "
+                           "a request's cache cells are no longer in position order, and attention sums them in "
+                           "cell order")
+        ms.clear()
+        for t in toks:
+            ref = np.array(ms.decode([(0, [t], [0])])[0][0], copy=True)
+        target.clear()
+        for t in toks:
+            single = target.decode([t], "last")[0]
+        target.clear()
+        if not np.array_equal(single, ref):
+            ms.clear()
+            return False, "one-token decoding in the batch context differs from the target's own context"
+        most = min(self.ms.n_batch - 1, self.n_slots * (D.DRAFT_TOKENS + 1))
+        for m in sorted({1, 3, max(1, most)}):
+            if m > most:
+                continue
+            ms.clear()
+            for t in toks[:-1]:
+                ms.decode([(0, [t], [])])
+            filler = [toks[i % len(toks)] for i in range(m)]
+            got = ms.decode([(1, filler, range(m)), (0, [toks[-1]], [0])])[1][0]
+            if not np.array_equal(got, ref):
+                ms.clear()
+                return False, f"a row's logits change when {m} rows of another request share its batch"
+        # rollbacks in the one unified cache: another request's rejected rows leave holes that this one's next
+        # tokens may fill, so its cells are no longer in position order (attention sums them in cell order)
+        long = (toks * 2)[:10]
+        ms.clear()
+        refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in long]
+        ms.clear()
+        ms.decode([(1, [toks[0]], [])])
+        for i, t in enumerate(long):
+            got = ms.decode([(1, [toks[1]] * 3, []), (0, [t], [0])])[1][0]
+            if not np.array_equal(got, refs[i]):
+                ms.clear()
+                return False, ("a row's logits change when other requests' rolled-back drafts leave its cache cells "
+                               "out of position order")
+            ms.truncate(1, len(ms.tokens[1]) - 2)  # the other request rejects two of its three rows
+        ms.clear()
+        return True, f"a row's logits are bit-identical with up to {most} rows of other requests in its batch"
+
+    def exactness_for(self, cfg: GenConfig) -> tuple[int, str, str]:
+        """(k, level, why) for a batched request: Engine's answer, at lossless where batching is not bit-exact."""
+        k, level, why = self.engine.exactness_for(cfg)
+        if self.engine.resolve_method(cfg) == "none" or cfg.k <= 0:
+            k = 0
+        if level != "bit":
+            return k, level, why
+        exact, probe_why = self.probe()
+        if exact:
+            return k, level, f"{why}; batched with other requests: {probe_why}"
+        k = cfg.k if self.engine.resolve_method(cfg) != "none" else 0
+        return k, "lossless", (f"lossless: batched with other requests, and {probe_why} here; every token is "
+                               "still the target's choice in the pass that emitted it")
+
+    # ------------------------------------------------------------ join
+    def add(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None,
+            cancel: threading.Event | None = None, sink: Callable | None = None) -> int:
+        """Start a request in a free slot (the one whose cache shares the longest prefix with the prompt).
+        `sink(event)` gets its Pieces and then its Finished, from step(). Returns the slot."""
+        cfg = cfg or GenConfig()
+        if self._exact is None:
+            self.probe()  # clears the caches: only ever before the first request
+        if self.single_reason(cfg):
+            raise UsageError(self.single_reason(cfg))
+        prompt = [int(t) for t in prompt_tokens]
+        if not prompt:
+            raise UsageError("empty prompt")
+        if len(prompt) >= self.n_ctx:
+            raise ContextOverflowError(
+                f"prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; "
+                f"use {{ctx_size}} {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt", "ctx_size")
+        free = [s for s, r in enumerate(self.runs) if r is None]
+        if not free:
+            raise UsageError("no free slot")
+        k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
+        seq = max(free, key=lambda s: common_prefix(self.ms.tokens[s], prompt))
+        common = common_prefix(self.ms.tokens[seq], prompt)
+        if common == len(prompt):
+            common -= 1  # the last prompt token is decoded again for its logits
+        self.ms.truncate(seq, common)
+        method = self.engine.resolve_method(cfg)
+        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
+        if method == "none" or k == 0:
+            policy, label = FixedPolicy(None, 0), "none"
+        else:
+            d = self.lookups[seq]
+            if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
+                d = self.lookups[seq] = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
+            if adaptive:
+                bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
+                k_max = cfg.k if bit_cap is not None else k
+                policy, label = AdaptivePolicy({"lookup": d}, k_max, self.controller_state, bit_cap=bit_cap), method
+            else:
+                policy, label = FixedPolicy(d, k), "lookup"
+        stats = Stats(method=label, k_cap=k, exactness=level, exactness_reason=why)
+        if label != "none" and k < cfg.k:
+            stats.reason = f"k capped at {k}: bigger verify batches are not bit-exact with this model/build"
+        if method == "auto" and label != "none":
+            stats.reason = "; ".join(x for x in (stats.reason, "batched: auto speculates with prompt lookup") if x)
+        stats.prompt_tokens = len(prompt)
+        stats.cached_prompt_tokens = common
+        stats.started = time.perf_counter()
+        stats.running = True
+        for drafter in policy.drafters.values():
+            drafter.begin(prompt)
+        run = _Run(seq, prompt, cfg, cancel, sink or (lambda ev: None), stats, policy, prompt[common:])
+        self.runs[seq] = run
+        return seq
+
+    # ------------------------------------------------------------ one step
+    def step(self) -> int:
+        """One batched decode over every active slot; events go to the slots' sinks. Returns the rows decoded."""
+        for run in self._live():
+            if run.cancel is not None and run.cancel.is_set():
+                self._finish(run, "cancelled")
+        ms = self.ms
+        budget = ms.n_batch
+        gen = [r for r in self._live() if not r.prefill]
+        budget -= len(gen)  # one row each for the pending tokens
+        parts, owners = [], []
+        for run in gen:
+            cfg, st = run.cfg, run.stats
+            remaining = cfg.max_tokens - st.completion_tokens
+            room = self.n_ctx - len(ms.tokens[run.seq]) - 1
+            if remaining <= 0 or room < 0:
+                self._finish(run, "length")
+                budget += 1
+                continue
+            drafter, k = run.policy.choose(run.context)
+            k = max(0, min(k, remaining - 1, room, budget))
+            td = time.perf_counter()
+            proposal = drafter.propose(run.context, k, cfg.sampling, run.rng) if (drafter is not None and k > 0) \
+                else Proposal()
+            st.draft_s += time.perf_counter() - td
+            budget -= len(proposal.tokens)
+            base = len(ms.tokens[run.seq])
+            toks = [run.context[-1], *proposal.tokens]
+            run.step = (drafter, k, proposal, base, time.perf_counter() - td)
+            parts.append((run.seq, toks, range(len(toks))))
+            owners.append(run)
+        for run in self._live():
+            if not run.prefill or budget <= 0:
+                continue
+            n = min(len(run.prefill), self.prefill_chunk, budget)
+            chunk = run.prefill[:n]
+            last = n == len(run.prefill)
+            budget -= n
+            run.step = None
+            parts.append((run.seq, chunk, [n - 1] if last else []))
+            owners.append(run)
+        if not parts:
+            self._release_finished()
+            return 0
+        total = sum(len(p[1]) for p in parts)
+        t0 = time.perf_counter()
+        outs = ms.decode(parts, copy=False)  # used before the next decode
+        dt = time.perf_counter() - t0
+        self.steps += 1
+        self.rows += total
+        for run, part, rows in zip(owners, parts, outs):
+            share = dt * len(part[1]) / total  # this request's part of the batch's cost
+            if run.step is None:
+                self._prefilled(run, part[1], rows, share)
+            else:
+                self._verified(run, rows, share)
+        self._release_finished()
+        return total
+
+    def _release_finished(self) -> None:
+        for run in self.runs:
+            if run is not None and run.finish is not None:
+                self._release(run)
+
+    def _live(self) -> list[_Run]:
+        return [r for r in self.runs if r is not None and r.finish is None]
+
+    def _prefilled(self, run: _Run, chunk, rows, share: float) -> None:
+        st = run.stats
+        del run.prefill[:len(chunk)]
+        if run.prefill:
+            return
+        st.prompt_s = time.perf_counter() - run.t0
+        sp = run.cfg.sampling
+        logits = rows[0]
+        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), run.rng)
+        st.ttft_s = time.perf_counter() - run.t0
+        if self.target.is_eog(first):
+            self._finish(run, "stop")
+            return
+        self._emit(run, first, False)
+
+    def _verified(self, run: _Run, rows, share: float) -> None:
+        drafter, k, proposal, base, t_draft = run.step
+        run.step = None
+        st, sp = run.stats, run.cfg.sampling
+        gamma = len(proposal.tokens)
+        if sp.greedy:
+            n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
+        else:
+            p = np.stack([probs(r, sp) for r in rows])
+            q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, self.target.n_vocab)
+            n_acc, nxt = speculative_sampling(proposal.tokens, q, p, run.rng)
+        self.ms.truncate(run.seq, base + 1 + n_acc)
+        if drafter is not None and gamma:
+            drafter.accept(gamma, n_acc)
+        st.verify_s += share
+        if not gamma:
+            st.plain_s += share
+        st.record_step(gamma, n_acc)
+        st.method_used[drafter.name if (drafter is not None and gamma) else "none"] += 1
+        st.k_used[k if drafter is not None else 0] += 1
+        run.policy.observe(drafter, k, gamma, n_acc, t_draft, share)
+        switched = getattr(run.policy, "switched", None)
+        if switched and st.exactness == "bit":
+            st.exactness, st.k_cap = "lossless", run.cfg.k
+            st.exactness_reason = f"{switched} (from token {st.completion_tokens + 1})"
+        for tok, drafted in [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]:
+            if self.target.is_eog(tok):
+                self._finish(run, "stop")
+                return
+            if st.completion_tokens >= run.cfg.max_tokens:
+                self._finish(run, "length")
+                return
+            if self._emit(run, tok, drafted):
+                return
+
+    def _emit(self, run: _Run, token: int, drafted: bool) -> bool:
+        """Emit one token; True when a stop string ended the answer."""
+        piece, stopped = run.text.push(self.target.piece(token))
+        run.out.append(token)
+        run.stats.token_emitted()
+        run.context.append(token)
+        run.sink(Piece(piece, token, drafted))
+        if stopped:
+            self._finish(run, "stop")
+        return stopped
+
+    def _finish(self, run: _Run, reason: str) -> None:
+        if run.finish is None:
+            run.finish = reason
+
+    def _release(self, run: _Run) -> None:
+        st = run.stats
+        st.elapsed_s = time.perf_counter() - run.t0
+        st.running = False
+        st.reason = "; ".join(x for x in (st.reason, run.policy.reason()) if x)
+        self.runs[run.seq] = None
+        tail = run.text.flush()
+        if tail:
+            run.sink(Piece(tail, -1, False))
+        run.sink(Finished(run.text.text, run.out, run.finish, st))
+
+    def fail_all(self) -> list[_Run]:
+        """Drop every active request (after an error in a step); their caches are cleared. Returns them."""
+        dropped = [r for r in self.runs if r is not None]
+        self.runs = [None] * self.n_slots
+        self.ms.clear()
+        return dropped
+
+    # ------------------------------------------------------------ helpers
+    def generate_all(self, requests: Sequence[tuple[Sequence[int], GenConfig]]) -> list[Finished]:
+        """Run requests together (all joining at once) until they end; their Finished, in order (tests)."""
+        results: list = [None] * len(requests)
+        pending = list(enumerate(requests))
+        while pending or self.active:
+            while pending and self.free:
+                i, (prompt, cfg) = pending.pop(0)
+                self.add(prompt, cfg, sink=_store(results, i))
+            self.step()
+        return results
+
+    def close(self) -> None:
+        self.ms.close()
+
+
+def _store(results: list, i: int):
+    def sink(ev):
+        if isinstance(ev, Finished):
+            results[i] = ev
+    return sink

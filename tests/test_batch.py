@@ -1,0 +1,218 @@
+"""Continuous batching (core/batch.py): several requests in one llama_decode give the texts they give alone."""
+
+import threading
+
+import pytest
+
+from conftest import PROMPTS
+from localspec.core.batch import BatchEngine
+from localspec.core.engine import Engine, Finished, GenConfig, Piece
+from localspec.core.sampling import SamplingParams
+from localspec.errors import ContextOverflowError, UsageError
+
+N = 120
+
+
+@pytest.fixture(scope="module")
+def engine(target_path, draft_path):
+    e = Engine.load(target_path, draft_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def batch(engine):
+    b = BatchEngine(engine, 4, prefill_chunk=16)
+    yield b
+    b.close()
+
+
+def alone(engine, prompt, cfg):
+    return engine.complete(engine.raw_prompt(prompt), cfg)
+
+
+def cfg_for(method, **kw):
+    return GenConfig(method=method, k=kw.pop("k", 4), max_tokens=kw.pop("max_tokens", N), **kw)
+
+
+def test_the_probe_says_batching_is_exact_on_the_tiny_model(batch):
+    exact, why = batch.probe()
+    assert exact, why
+
+
+@pytest.mark.parametrize("method", ["none", "lookup", "auto"])
+def test_four_at_once_equal_four_one_after_another(engine, batch, method):
+    prompts = PROMPTS
+    seq = [alone(engine, p, cfg_for(method)) for p in prompts]
+    steps0 = batch.steps
+    got = batch.generate_all([(engine.raw_prompt(p), cfg_for(method)) for p in prompts])
+    for a, b in zip(seq, got):
+        assert b.tokens == a.tokens
+        assert b.text == a.text
+        assert b.finish_reason == a.finish_reason
+        assert b.stats.completion_tokens == len(b.tokens)
+        assert b.stats.exactness in ("bit", "lossless") and b.stats.exactness_reason
+    # they really shared decodes: fewer steps than the tokens of all four
+    assert batch.steps - steps0 < sum(len(r.tokens) for r in got)
+
+
+def test_sampled_requests_keep_their_own_rng(engine, batch):
+    cfgs = [cfg_for("none", sampling=SamplingParams(temperature=0.9, seed=s)) for s in (1, 2, 3, 4)]
+    seq = [alone(engine, PROMPTS[0], c) for c in cfgs]
+    cfgs = [cfg_for("none", sampling=SamplingParams(temperature=0.9, seed=s)) for s in (1, 2, 3, 4)]
+    got = batch.generate_all([(engine.raw_prompt(PROMPTS[0]), c) for c in cfgs])
+    assert [r.tokens for r in got] == [r.tokens for r in seq]
+    assert len({tuple(r.tokens) for r in got}) > 1  # the seeds do differ
+
+
+def test_speculation_happens_inside_the_batch(engine, batch):
+    # a prompt that repeats the model's own answer: prompt lookup finds it again while the answer repeats
+    p = engine.raw_prompt(PROMPTS[0])
+    own = alone(engine, PROMPTS[0], cfg_for("none", max_tokens=40)).tokens
+    prompt = p + own + p + own + p
+    cfg = lambda: cfg_for("lookup", k=4, max_tokens=60, exactness="lossless")
+    seq = engine.complete(list(prompt), cfg())
+    assert seq.stats.accepted > 0
+    got = batch.generate_all([(list(prompt), cfg()), (engine.raw_prompt(PROMPTS[1]), cfg())])
+    assert got[0].tokens == seq.tokens
+    st = got[0].stats
+    assert st.drafted > 0 and st.accepted > 0
+    assert st.method_used["lookup"] > 0
+    assert st.target_passes < st.completion_tokens  # some passes emitted more than one token
+
+
+def _start(batch, engine, prompts, cfgs, cancels=None):
+    results, pieces = {}, {}
+    for i, (p, c) in enumerate(zip(prompts, cfgs)):
+        pieces[i] = []
+
+        def sink(ev, i=i):
+            if isinstance(ev, Finished):
+                results[i] = ev
+            elif isinstance(ev, Piece):
+                pieces[i].append(ev.text)
+        batch.add(engine.raw_prompt(p), c, cancel=(cancels or {}).get(i), sink=sink)
+    return results, pieces
+
+
+def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
+    seq = [alone(engine, p, cfg_for("lookup")) for p in PROMPTS]
+    stop = threading.Event()
+    results, pieces = _start(batch, engine, PROMPTS, [cfg_for("lookup") for _ in PROMPTS], {1: stop})
+    for _ in range(12):
+        batch.step()
+    stop.set()
+    while batch.active:
+        batch.step()
+    assert results[1].finish_reason == "cancelled"
+    assert 0 < len(results[1].tokens) < len(seq[1].tokens)
+    assert results[1].tokens == seq[1].tokens[:len(results[1].tokens)]
+    assert "".join(pieces[1]) == results[1].text
+    for i in (0, 2, 3):
+        assert results[i].tokens == seq[i].tokens
+        assert results[i].finish_reason == seq[i].finish_reason
+
+
+def test_a_long_prompt_joining_midway_does_not_corrupt_the_running_ones(engine, batch):
+    long_prompt = " ".join(PROMPTS * 12)  # hundreds of tokens: prefilled 16 a step beside the others
+    assert len(engine.raw_prompt(long_prompt)) > 8 * batch.prefill_chunk
+    seq = [alone(engine, p, cfg_for("lookup")) for p in PROMPTS[:3]]
+    late = alone(engine, long_prompt, cfg_for("lookup", max_tokens=40))
+    results, _ = _start(batch, engine, PROMPTS[:3], [cfg_for("lookup") for _ in range(3)])
+    for _ in range(5):
+        batch.step()
+    r2, _ = _start(batch, engine, [long_prompt], [cfg_for("lookup", max_tokens=40)])
+    others = [r for r in batch.runs if r is not None and not r.prefill]
+    joining = [r for r in batch.runs if r is not None and r.prefill]
+    assert len(others) == 3 and len(joining) == 1
+    before = [len(r.out) for r in others]
+    for _ in range(3):
+        batch.step()
+    assert joining[0].prefill  # still prefilling, 16 tokens a step ...
+    assert all(len(r.out) > n for r, n in zip(others, before))  # ... while the others kept generating
+    while batch.active:
+        batch.step()
+    for i in range(3):
+        assert results[i].tokens == seq[i].tokens
+    assert r2[0].tokens == late.tokens
+
+
+def test_per_request_max_tokens_and_stop(engine, batch):
+    base = alone(engine, PROMPTS[0], cfg_for("none", max_tokens=40))
+    stop = base.text[10:14]
+    cfgs = [cfg_for("none", max_tokens=7), cfg_for("lookup", max_tokens=40, stop=[stop]),
+            cfg_for("none", max_tokens=40)]
+    got = batch.generate_all([(engine.raw_prompt(PROMPTS[0]), c) for c in cfgs])
+    assert got[0].tokens == base.tokens[:7] and got[0].finish_reason == "length"
+    assert got[1].finish_reason == "stop" and stop not in got[1].text and base.text.startswith(got[1].text)
+    assert got[2].tokens == base.tokens
+
+
+def test_a_continued_conversation_reuses_its_slot_cache(engine, batch):
+    first = batch.generate_all([(engine.raw_prompt(PROMPTS[2]), cfg_for("none", max_tokens=20))])[0]
+    again = engine.raw_prompt(PROMPTS[2]) + first.tokens
+    got = batch.generate_all([(again, cfg_for("none", max_tokens=20))])[0]
+    assert got.stats.cached_prompt_tokens >= len(again) - 2
+    assert got.tokens == alone(engine, PROMPTS[2], cfg_for("none", max_tokens=40)).tokens[20:40]
+
+
+def test_what_takes_the_single_sequence_path(engine, batch):
+    assert batch.single_reason(cfg_for("lookup")) == ""
+    assert batch.single_reason(cfg_for("auto")) == ""
+    assert "draft" in batch.single_reason(cfg_for("draft"))
+    c = cfg_for("none")
+    c.constraint = object()
+    assert "grammar" in batch.single_reason(c)
+    with pytest.raises(UsageError):
+        batch.add(engine.raw_prompt(PROMPTS[0]), cfg_for("draft"))
+
+
+def test_bad_prompts_are_errors_not_crashes(engine, batch):
+    with pytest.raises(UsageError):
+        batch.add([], cfg_for("none"))
+    with pytest.raises(ContextOverflowError):
+        batch.add([5] * 2000, cfg_for("none"))
+    assert batch.active == 0
+
+
+def test_where_batching_is_not_bit_exact_batched_requests_say_lossless(engine, target_path, monkeypatch):
+    b = BatchEngine(engine, 2)
+    try:
+        monkeypatch.setattr(b, "_probe", lambda: (False, "a row's logits change when 1 rows of another request "
+                                                        "share its batch"))
+        r = b.generate_all([(engine.raw_prompt(PROMPTS[0]), cfg_for("none", exactness="bit"))])[0]
+        assert r.stats.exactness == "lossless"
+        assert "batched" in r.stats.exactness_reason and "change" in r.stats.exactness_reason
+    finally:
+        b.close()
+
+
+def test_one_unified_cache_means_lossless(engine):
+    """A shared KV cache leaves a request's cells out of position order after the others' rollbacks: at bit the
+    batched requests say lossless, and why."""
+    b = BatchEngine(engine, 2, unified=True)
+    try:
+        exact, why = b.probe()
+        assert not exact and "position order" in why
+        r = b.generate_all([(engine.raw_prompt(PROMPTS[0]), cfg_for("none", exactness="bit"))] * 2)
+        assert all(x.stats.exactness == "lossless" and "position order" in x.stats.exactness_reason for x in r)
+        assert r[0].tokens == alone(engine, PROMPTS[0], cfg_for("none")).tokens  # wide margins: same text
+    finally:
+        b.close()
+
+
+def test_bit_requests_in_separate_streams_stay_bit(engine, batch):
+    r = batch.generate_all([(engine.raw_prompt(p), cfg_for("none", exactness="bit")) for p in PROMPTS])
+    assert all(x.stats.exactness == "bit" for x in r)
+    assert [x.tokens for x in r] == [alone(engine, p, cfg_for("none", exactness="bit")).tokens for p in PROMPTS]
+
+
+def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
+    from tinymodels import write_mamba
+
+    e = Engine.load(write_mamba(tmp_path / "mamba.gguf", 3), n_ctx=512)
+    try:
+        with pytest.raises(UsageError, match="recurrent"):
+            BatchEngine(e, 2)
+    finally:
+        e.close()

@@ -1,0 +1,155 @@
+"""`localspec serve --parallel N`: requests decoded together (core/batch.py) answer what they answer one at a time;
+a client that leaves mid-batch leaves the others unchanged; /health and /metrics show the slots."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+
+import pytest
+
+pytest.importorskip("uvicorn")
+
+from test_server import Served, _env, cli, running  # noqa: E402
+
+CTX = 2048
+N = 40
+PROMPTS = ["the cat and the dog", "def f(x): return x", "Hello world, the x = y + 1", "Once upon a time"]
+
+
+def _session(target_path, cfg_dir, mp):
+    from localspec.session import Session
+
+    for k in list(os.environ):
+        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
+            mp.delenv(k)
+    mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
+    sess = Session({"model": str(target_path), "method": "lookup", "draft_tokens": 4, "ctx_size": CTX}, quiet=True)
+    sess.load()
+    return sess
+
+
+@pytest.fixture(scope="module")
+def batched(target_path, tmp_path_factory):
+    from localspec.server.app import create_app
+    from localspec.server.config import ServerConfig
+
+    cfg_dir = tmp_path_factory.mktemp("cfg")
+    with pytest.MonkeyPatch.context() as mp:
+        sess = _session(target_path, cfg_dir, mp)
+        app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
+        try:
+            with running(app) as url:
+                yield Served(url, app, sess, _env(cfg_dir))
+        finally:
+            if app.state.worker.stop(timeout=30):
+                sess.close()
+
+
+def post(s: Served, body: dict) -> dict:
+    status, _, data = s.raw("POST", "/v1/chat/completions", json.dumps(body))
+    assert status == 200, data
+    return data
+
+
+def chat(prompt: str, **kw) -> dict:
+    return {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": N, "temperature": 0, **kw}
+
+
+def at_once(s: Served, bodies: list[dict]) -> list[dict]:
+    out: list = [None] * len(bodies)
+    go = threading.Barrier(len(bodies))
+
+    def one(i):
+        go.wait()
+        out[i] = post(s, bodies[i])
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    return out
+
+
+def text(r: dict) -> str:
+    return r["choices"][0]["message"]["content"]
+
+
+def test_health_and_metrics_show_the_slots(batched):
+    h = batched.health()
+    assert h["slots"] == 4 and h["active_slots"] == 0 and not h["generating"]
+    status, _, _ = batched.raw("GET", "/metrics")
+    conn = http.client.HTTPConnection(batched.host, int(batched.port), timeout=30)
+    conn.request("GET", "/metrics")
+    m = conn.getresponse().read().decode()
+    conn.close()
+    assert "localspec:num_slots 4.0" in m and "localspec:num_slots_active 0.0" in m
+
+
+@pytest.mark.parametrize("method", ["none", "lookup"])
+def test_four_concurrent_requests_equal_four_sequential_ones(batched, method):
+    bodies = [chat(p, localspec={"method": method}) for p in PROMPTS]
+    seq = [post(batched, b) for b in bodies]
+    worker = batched.app.state.worker
+    steps0 = worker.batch.steps
+    got = at_once(batched, bodies)
+    assert [text(r) for r in got] == [text(r) for r in seq]
+    for r in got:
+        ls = r["localspec"]
+        assert ls["exactness"] in ("bit", "lossless") and "batched" in ls["exactness_reason"]
+    # decoded together: the four took fewer batched steps than their tokens
+    assert worker.batch.steps - steps0 < sum(r["usage"]["completion_tokens"] for r in got)
+    assert batched.health()["generations"]["failed"] == 0
+
+
+def test_a_client_leaving_mid_batch_leaves_the_others_unchanged(batched):
+    bodies = [chat(p, max_tokens=60) for p in PROMPTS[:3]]
+    seq = [post(batched, b) for b in bodies]
+    before = batched.health()["generations"]
+    leaver = http.client.HTTPConnection(batched.host, int(batched.port), timeout=60)
+    out: list = [None] * 3
+
+    def one(i):
+        out[i] = post(batched, bodies[i])
+    leaver.request("POST", "/v1/chat/completions", body=json.dumps(chat(PROMPTS[3], max_tokens=100_000, stream=True)),
+                   headers={"Content-Type": "application/json"})
+    r = leaver.getresponse()
+    assert r.status == 200
+    r.readline()  # the stream is running
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in ths:
+        t.start()
+    batched.wait_for(lambda h: h["active_slots"] >= 2, "the others joining the batch")
+    leaver.sock.shutdown(2)
+    leaver.close()
+    for t in ths:
+        t.join(120)
+    assert [text(x) for x in out] == [text(x) for x in seq]
+    h = batched.wait_for(lambda h: h["generations"]["cancelled"] > before["cancelled"], "the leaver cancelled")
+    assert h["generations"]["completed"] == before["completed"] + 3
+
+
+def test_a_grammar_request_takes_the_single_path_beside_the_batch(batched):
+    bodies = [chat(p) for p in PROMPTS[:2]] + [chat("give json", response_format={"type": "json_object"})]
+    got = at_once(batched, bodies)
+    assert text(got[2]).startswith("{")  # the grammar held (cut at max_tokens)
+    assert text(got[2]) == text(post(batched, bodies[2]))
+    assert text(got[0]) == text(post(batched, bodies[0]))
+    assert batched.health()["generations"]["failed"] == 0
+
+
+@pytest.mark.parametrize("value", ["0", "65"])
+def test_serve_parallel_out_of_range_is_a_usage_error(target_path, tmp_path, value):
+    r = cli(["serve", "-m", str(target_path), "--parallel", value], _env(tmp_path / "cfg"), timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("error: ") and "--parallel" in err and "Traceback" not in err, err
+
+
+def test_the_default_is_one_slot_on_cpu_and_four_on_a_gpu():
+    from localspec.server.config import PARALLEL_CPU, PARALLEL_GPU, ServerConfig
+
+    assert ServerConfig().resolved(3).parallel == PARALLEL_CPU == 1
+    assert ServerConfig().resolved(3, on_gpu=True).parallel == PARALLEL_GPU == 4
+    assert ServerConfig(parallel=2).resolved(3, on_gpu=True).parallel == 2
