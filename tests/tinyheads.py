@@ -255,3 +255,96 @@ def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float
     wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
     _finish(wr)
     return path
+
+
+MASK_TOKEN = 0  # <unk>: never generated, the DFlash drafts' mask token
+
+
+def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers=(0, 1, 3), n_embd=64, n_embd_tgt=64,
+                 n_head=4, n_ff=128, block_size=8, mask_token: int | None = MASK_TOKEN) -> Path:
+    """A `dflash` draft GGUF (src/models/dflash.cpp: fc + enc.output_norm over the target's layer inputs, injected
+    as K/V; a token batch [pending, mask x n] attends non-causally to them and to itself) with its own embeddings
+    and output head. Random weights, or (agree_with=SEED of the bigram target) a head whose every mask row names
+    pi(pending): one head, rope on dims 0-1 only; dim 2 flags a word token, dim 3 the mask token, dims 4.. carry
+    the token's identity r_t. A mask row's query (dim 2, scaled by attn_q_norm) meets only word tokens' keys, so it
+    attends to the pending token alone (injected rows: fc = 0, K = V = 0; other masks: K = 0), copies its r_t (V,
+    wo: identity on dims 4..) and the output row pi(t) is r_t. Only the first drafted token can be right: later ones
+    are pi(pending) again, so rollbacks happen. mask_token None: the vocabulary declares none."""
+    import gguf
+
+    tokens, scores, types = vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    if agree_with is not None:
+        n_head = 1
+    head_dim = n_embd // n_head
+    n_in = len(layers) * n_embd_tgt
+    wr = gguf.GGUFWriter(str(path), "dflash")
+    wr.add_name(f"dflash-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(1)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(2 if agree_with is not None else head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_file_type(1)
+    wr.add_array("dflash.target_layers", [int(x) for x in layers])
+    wr.add_uint32("dflash.block_size", block_size)
+    _vocab_kv(wr, tokens, scores, types)
+    if mask_token is not None:
+        wr.add_uint32("tokenizer.ggml.mask_token_id", mask_token)
+    ones = np.ones(n_embd, dtype=np.float32)
+    p = "blk.0."
+    if agree_with is not None:
+        _, _, _, _, pi = bigram_parts(agree_with, n_embd_tgt)
+        ident = slice(4, n_embd)
+        r = rng.standard_normal((n_vocab, n_embd - 4)).astype(np.float32)
+        emb = np.zeros((n_vocab, n_embd), dtype=np.float32)
+        emb[:, ident] = r
+        emb[:, 2] = 1.0
+        emb[MASK_TOKEN] = 0.0
+        emb[MASK_TOKEN, 3] = 1.0
+        out = np.zeros((n_vocab, n_embd), dtype=np.float32)
+        for t in range(N_SPECIAL, n_vocab):
+            out[pi[t], ident] = r[t] * (4.0 / np.sqrt(n_embd))
+        fc = np.zeros((n_embd, n_in), dtype=np.float16)
+        wq = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wq[2, 3] = 1.0  # a mask row asks for word tokens
+        wk = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wk[2, 2] = 1.0  # a word token answers
+        wv = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wv[ident, ident] = np.eye(n_embd - 4, dtype=np.float16)
+        wo = np.eye(n_embd, dtype=np.float16)
+        qn = np.full(head_dim, 4.0, dtype=np.float32)
+        kn = np.full(head_dim, 4.0, dtype=np.float32)
+        down = np.zeros((n_embd, n_ff), dtype=np.float16)
+    else:
+        emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+        out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+        fc, wq, wk, wv, wo = w(n_embd, n_in), w(n_embd, n_embd), w(n_embd, n_embd), w(n_embd, n_embd), w(n_embd, n_embd)
+        qn = kn = np.ones(head_dim, dtype=np.float32)
+        down = w(n_embd, n_ff)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    wr.add_tensor("fc.weight", fc)
+    wr.add_tensor("enc.output_norm.weight", ones)
+    wr.add_tensor(p + "attn_norm.weight", ones)
+    wr.add_tensor(p + "attn_q.weight", wq)
+    wr.add_tensor(p + "attn_k.weight", wk)
+    wr.add_tensor(p + "attn_v.weight", wv)
+    wr.add_tensor(p + "attn_output.weight", wo)
+    wr.add_tensor(p + "attn_q_norm.weight", qn)
+    wr.add_tensor(p + "attn_k_norm.weight", kn)
+    wr.add_tensor(p + "ffn_norm.weight", ones)
+    wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_down.weight", down)
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", out.astype(np.float16))
+    _finish(wr)
+    return path

@@ -298,3 +298,13 @@ def nextn_rows(ctx, n_rows: int, n_embd: int) -> np.ndarray:
     if not ptr:
         raise DecodeError("no nextn hidden states were extracted")
     return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd))
+
+
+def has_tensor(path: str | os.PathLike, name: str) -> bool:
+    """Whether a GGUF file holds tensor `name`, read from its header (False: it does not or is unreadable)."""
+    try:
+        import gguf
+
+        return any(t.name == name for t in gguf.GGUFReader(str(path)).tensors)
+    except Exception:
+        return False
