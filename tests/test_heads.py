@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp
+from tinyheads import write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_qwen35_mtp
 from tinymodels import greedy_margins, write_model
 
 
@@ -349,6 +349,39 @@ def test_method_mtp_on_a_target_without_mtp_layers(bigram):
             e.resolve_method(GenConfig(method="mtp"))
     finally:
         e.close()
+
+
+# ----------------------------------------------------------------- MTP on a hybrid target
+@pytest.fixture(scope="module")
+def q35_mtp(heads_dir) -> dict:
+    """qwen35 hybrids (gated delta net + attention, one MTP layer): the arch Qwen3.5's MTP models ship as."""
+    return {"agree": write_qwen35_mtp(heads_dir / "q35-mtp.gguf", 7),
+            "perfect": write_qwen35_mtp(heads_dir / "q35-mtp-perfect.gguf", 7, wrong=0.0),
+            "random": write_qwen35_mtp(heads_dir / "q35-mtp-random.gguf", 7, mtp="random")}
+
+
+@pytest.mark.parametrize("rollback", ["rs", "checkpoint"])
+@pytest.mark.parametrize("which", ["random", "agree", "perfect"])
+def test_mtp_on_a_hybrid_target(which, rollback, q35_mtp, bigram, monkeypatch):
+    """The MTP context is a plain KV cache on the nextn layer (as llama.cpp makes it for qwen35); the target's
+    recurrent state rolls back through Model.truncate (RS planes, or checkpoints and a replay the hook sees)."""
+    from localspec.core.engine import Engine
+
+    if rollback == "checkpoint":
+        monkeypatch.setenv("LOCALSPEC_ROLLBACK", "checkpoint")
+    e = Engine.load(q35_mtp[which], n_ctx=512)
+    try:
+        assert e.target.is_hybrid and e.target.rollback_kind == rollback
+    finally:
+        e.close()
+    for prompt in PROMPTS[:2]:
+        r, plain = _mtp_run(q35_mtp[which], prompt)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt  # the trunk adds nothing to the bigram target
+        s = r.stats
+        if which == "agree":
+            assert s.accepted > 0 and s.drafted > s.accepted
+        if which == "perfect":
+            assert s.drafted > 0 and s.accepted == s.drafted
 
 
 # ----------------------------------------------------------------- DFlash

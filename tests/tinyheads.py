@@ -348,3 +348,101 @@ def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers
     wr.add_tensor("output.weight", out.astype(np.float16))
     _finish(wr)
     return path
+
+
+def write_qwen35_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,
+                     n_ff=128, n_trunk=4, d_state=16, n_group=2, n_v_heads=4, d_conv=4) -> Path:
+    """A `qwen35` hybrid target (gated-delta-net layers 0 and 2, attention layers 1 and 3: recurrent state plus a KV
+    cache) with one MTP layer after the trunk, as Qwen3.5 ships it. The trunk is the bigram target of `seed` (every
+    block adds nothing: ssm_out, attn_output and ffn_down are zero; next token pi(t)); the MTP layer is as in
+    write_glm4moe_mtp (mtp="agree": names pi(t_{P+1}), wrong for a `wrong` fraction; "random": random weights)."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 3)
+    head_dim = n_embd // n_head
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.float16)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    wr = gguf.GGUFWriter(str(path), "qwen35")
+    wr.add_name(f"qwen35-mtp-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_trunk + 1)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_array("qwen35.rope.dimension_sections", [head_dim // 4, head_dim // 8, head_dim // 8, 0])
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("qwen35.ssm.conv_kernel", d_conv)
+    wr.add_uint32("qwen35.ssm.inner_size", value_dim)
+    wr.add_uint32("qwen35.ssm.state_size", d_state)
+    wr.add_uint32("qwen35.ssm.time_step_rank", n_v_heads)
+    wr.add_uint32("qwen35.ssm.group_count", n_group)
+    wr.add_uint32("qwen35.full_attention_interval", 2)
+    wr.add_uint32("qwen35.nextn_predict_layers", 1)
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+
+    def attention(p, rand):
+        wr.add_tensor(p + "attn_q.weight", w(2 * n_embd, n_embd))  # query and its gate
+        wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd) if rand else z(n_embd, n_embd))
+        wr.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        wr.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+
+    for i in range(n_trunk + 1):
+        p = f"blk.{i}."
+        is_mtp = i == n_trunk
+        rand = is_mtp and mtp == "random"
+        wr.add_tensor(p + "attn_norm.weight", ones)
+        wr.add_tensor(p + "post_attention_norm.weight", ones)
+        if is_mtp or (i + 1) % 2 == 0:
+            attention(p, rand)
+        else:  # gated delta net
+            wr.add_tensor(p + "attn_qkv.weight", w(conv_dim, n_embd))
+            wr.add_tensor(p + "attn_gate.weight", w(value_dim, n_embd))
+            wr.add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((conv_dim, d_conv)) * 0.5).astype(np.float32))
+            wr.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
+            wr.add_tensor(p + "ssm_a", -np.ones(n_v_heads, dtype=np.float32))
+            wr.add_tensor(p + "ssm_beta.weight", w(n_v_heads, n_embd))
+            wr.add_tensor(p + "ssm_alpha.weight", w(n_v_heads, n_embd))
+            wr.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
+            wr.add_tensor(p + "ssm_out.weight", z(n_embd, value_dim))
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff) if rand else z(n_embd, n_ff))
+        if is_mtp:
+            if rand:
+                eh = w(n_embd, 2 * n_embd)
+                head = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+            else:
+                eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float16)
+                eh[:, :n_embd] = np.eye(n_embd, dtype=np.float16)  # the token's half: emb[t_{P+1}]
+                succ = pi.copy()
+                words = np.arange(N_SPECIAL, n_vocab)
+                bad = rng.choice(words, int(wrong * len(words)), replace=False)
+                succ[bad] = pi[pi[bad]]
+                head = _out_for(emb, succ, n_vocab)
+            wr.add_tensor(p + "nextn.eh_proj.weight", eh)
+            wr.add_tensor(p + "nextn.enorm.weight", ones)
+            wr.add_tensor(p + "nextn.hnorm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_head.weight", head.astype(np.float16))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path

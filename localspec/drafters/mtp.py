@@ -9,6 +9,11 @@ As common/speculative.cpp does it at the vendored commit (one trained head; chai
   hidden state.
 
 As with EAGLE-3 the h row is looked up by position in the last decode's rows: no accept() feedback is needed.
+
+Hybrid targets (qwen35: gated delta net + attention, the arch most MTP models ship as): llama.cpp gives the MTP
+context a plain KV cache on the nextn layer, so only the target holds recurrent state; it rolls back through
+Model.truncate (RS planes, or a checkpoint and a replay, which the engine passes to after_target_decode like any
+decode). Tested on a fabricated qwen35 with an MTP layer (tests/test_heads.py).
 """
 
 from __future__ import annotations
