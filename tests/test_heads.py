@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_qwen35_mtp
+from tinyheads import (write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp,
+                       write_qwen35_mtp)
 from tinymodels import greedy_margins, write_model
 
 
@@ -349,6 +350,48 @@ def test_method_mtp_on_a_target_without_mtp_layers(bigram):
             e.resolve_method(GenConfig(method="mtp"))
     finally:
         e.close()
+
+
+# ----------------------------------------------------------------- several MTP layers
+@pytest.mark.parametrize("layers", [("agree", "agree"), ("agree", "random"), ("random", "agree")])
+def test_chained_mtp_layers(heads_dir, bigram, layers):
+    """A mimo2 target with two MTP layers: draft step i runs layer i (llama_set_nextn_layer_offset). Both right:
+    everything drafted is accepted and k is capped at 2; the second random: exactly the first of each draft is
+    accepted (with one layer driven for both steps, all would be); the first random: nothing is."""
+    path = write_mimo2_mtp(heads_dir / f"mimo2-{'-'.join(layers)}.gguf", 7, mtp=layers)
+    for prompt in PROMPTS[:2]:
+        r, plain = _mtp_run(path, prompt, k=4)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt
+        s = r.stats
+        assert s.drafted > 0 and s.drafted <= 2 * s.drafting_steps
+        if layers == ("agree", "agree"):
+            assert s.accepted == s.drafted
+        elif layers == ("agree", "random"):
+            assert s.drafted == 2 * s.drafting_steps and s.accepted == s.drafting_steps
+        else:
+            assert s.accepted == 0
+
+
+def test_chained_mtp_with_sampling(heads_dir):
+    from localspec.core.sampling import SamplingParams
+
+    path = write_mimo2_mtp(heads_dir / "mimo2-sampling.gguf", 7)
+    r, _ = _mtp_run(path, PROMPTS[0], k=2, sampling=SamplingParams(temperature=0.7, seed=3))
+    assert len(r.tokens) == N and r.stats.accepted > 0
+
+
+def test_several_mtp_layers_on_a_one_layer_graph_are_refused(heads_dir):
+    """glm4moe's MTP graph asserts one MTP layer (an abort): a 2-layer target is refused in one line with --method
+    mtp, and auto decodes without it."""
+    path = write_glm4moe_mtp(heads_dir / "glm-mtp2.gguf", 7, n_mtp=2)
+    base = [sys.executable, "-m", "localspec", "run", "-m", str(path), "-n", "4", "--raw", "the cat"]
+    r = subprocess.run(base + ["--method", "mtp"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "2 MTP layers" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "aborted" not in r.stderr
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
 
 
 # ----------------------------------------------------------------- MTP on a hybrid target

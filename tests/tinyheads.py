@@ -168,19 +168,19 @@ def write_eagle3(path: Path, seed: int, *, agree_with: int | None = None, layers
 
 
 def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,
-                      n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=32, n_trunk=2) -> Path:
+                      n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=32, n_trunk=2, n_mtp=1) -> Path:
     """A `glm4moe` target whose last block is one MTP (nextn) layer, MoE like the trunk's layer 1 (layer 0 is dense).
     The trunk is the bigram target of `seed` (blocks add nothing, next token pi(t)). mtp="agree": the MTP layer
     names pi(t_{P+1}) from the token it is given (eh_proj keeps the token half, the block adds nothing), through its
     own shared head, which is wrong for a `wrong` fraction of the tokens (so rollbacks happen); mtp="random": random
-    weights (mostly rejections)."""
+    weights (mostly rejections). n_mtp > 1: that many MTP layers (llama.cpp's glm4moe MTP graph runs one only)."""
     import gguf
 
     tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed + 2)
     head_dim = n_embd // n_head
-    n_all = n_trunk + 1
+    n_all = n_trunk + n_mtp
 
     def w(*shape, std=0.6):
         return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
@@ -206,13 +206,13 @@ def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float
     wr.add_leading_dense_block_count(1)
     wr.add_expert_weights_norm(True)
     wr.add_expert_weights_scale(1.0)
-    wr.add_uint32("glm4moe.nextn_predict_layers", 1)
+    wr.add_uint32("glm4moe.nextn_predict_layers", n_mtp)
     wr.add_file_type(1)
     _vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     for i in range(n_all):
         p = f"blk.{i}."
-        is_mtp = i == n_trunk
+        is_mtp = i >= n_trunk
         rand = is_mtp and mtp == "random"
         wr.add_tensor(p + "attn_norm.weight", ones)
         wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
@@ -437,6 +437,74 @@ def write_qwen35_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float 
                 bad = rng.choice(words, int(wrong * len(words)), replace=False)
                 succ[bad] = pi[pi[bad]]
                 head = _out_for(emb, succ, n_vocab)
+            wr.add_tensor(p + "nextn.eh_proj.weight", eh)
+            wr.add_tensor(p + "nextn.enorm.weight", ones)
+            wr.add_tensor(p + "nextn.hnorm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_head.weight", head.astype(np.float16))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path
+
+
+def write_mimo2_mtp(path: Path, seed: int, *, mtp=("agree", "agree"), n_embd=64, n_head=4, n_ff=128, n_trunk=2
+                    ) -> Path:
+    """A dense `mimo2` target with len(mtp) MTP (nextn) layers after the trunk: an arch whose llama.cpp MTP graph
+    takes any of its layers (llama_set_nextn_layer_offset), so the heads chain (head i drafts token i). The trunk
+    is the bigram target of `seed`; each MTP layer is "agree" (names pi(t) from the token t it is given, always
+    right) or "random"."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 4)
+    head_dim = n_embd // n_head
+    n_all = n_trunk + len(mtp)
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.float16)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    wr = gguf.GGUFWriter(str(path), "mimo2")
+    wr.add_name(f"mimo2-mtp-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_all)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_uint32("mimo2.expert_feed_forward_length", n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("mimo2.attention.sliding_window", 4096)
+    wr.add_array("mimo2.attention.sliding_window_pattern", [True] + [False] * (n_all - 1))  # one is required
+    wr.add_uint32("mimo2.nextn_predict_layers", len(mtp))
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i in range(n_all):
+        p = f"blk.{i}."
+        kind = mtp[i - n_trunk] if i >= n_trunk else "trunk"
+        rand = kind == "random"
+        wr.add_tensor(p + "attn_norm.weight", ones)
+        wr.add_tensor(p + "attn_qkv.weight", w(3 * n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd) if rand else z(n_embd, n_embd))
+        wr.add_tensor(p + "ffn_norm.weight", ones)
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff) if rand else z(n_embd, n_ff))
+        if i >= n_trunk:
+            if rand:
+                eh = w(n_embd, 2 * n_embd)
+                head = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+            else:
+                eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float16)
+                eh[:, :n_embd] = np.eye(n_embd, dtype=np.float16)  # the token's half
+                head = _out_for(emb, pi, n_vocab)
             wr.add_tensor(p + "nextn.eh_proj.weight", eh)
             wr.add_tensor(p + "nextn.enorm.weight", ones)
             wr.add_tensor(p + "nextn.hnorm.weight", ones)
