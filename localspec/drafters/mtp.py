@@ -33,10 +33,7 @@ from localspec.core.sampling import SamplingParams
 from localspec.drafters.base import Drafter, Proposal, draft_loop
 from localspec.drafters.eagle3 import top10_p
 from localspec.errors import IncompatibleDraftError
-
-# archs whose MTP graph (src/models/*.cpp) builds any of n_layer_nextn layers, chosen by llama_set_nextn_layer_offset;
-# the others assert n_layer_nextn == 1
-CHAIN_ARCHS = frozenset({"step35", "mimo2", "hy-v3"})
+from localspec.llama.headarchs import CHAIN_MTP_ARCHS as CHAIN_ARCHS
 
 
 class MtpDrafter(Drafter):
