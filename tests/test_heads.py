@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import write_bigram_target, write_eagle3, write_glm4moe_mtp
+from tinyheads import (write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp,
+                       write_qwen35_mtp)
 from tinymodels import greedy_margins, write_model
 
 
@@ -351,20 +352,230 @@ def test_method_mtp_on_a_target_without_mtp_layers(bigram):
         e.close()
 
 
-# ----------------------------------------------------------------- DFlash
-def test_dflash_head_is_refused_with_one_line(heads_dir, bigram):
-    """DFlash heads are recognised from general.architecture but not driven yet: a clear refusal, no load attempt."""
-    import gguf
+# ----------------------------------------------------------------- several MTP layers
+@pytest.mark.parametrize("layers", [("agree", "agree"), ("agree", "random"), ("random", "agree")])
+def test_chained_mtp_layers(heads_dir, bigram, layers):
+    """A mimo2 target with two MTP layers: draft step i runs layer i (llama_set_nextn_layer_offset). Both right:
+    everything drafted is accepted and k is capped at 2; the second random: exactly the first of each draft is
+    accepted (with one layer driven for both steps, all would be); the first random: nothing is."""
+    path = write_mimo2_mtp(heads_dir / f"mimo2-{'-'.join(layers)}.gguf", 7, mtp=layers)
+    for prompt in PROMPTS[:2]:
+        r, plain = _mtp_run(path, prompt, k=4)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt
+        s = r.stats
+        assert s.drafted > 0 and s.drafted <= 2 * s.drafting_steps
+        if layers == ("agree", "agree"):
+            assert s.accepted == s.drafted
+        elif layers == ("agree", "random"):
+            assert s.drafted == 2 * s.drafting_steps and s.accepted == s.drafting_steps
+        else:
+            assert s.accepted == 0
 
+
+def test_chained_mtp_with_sampling(heads_dir):
+    from localspec.core.sampling import SamplingParams
+
+    path = write_mimo2_mtp(heads_dir / "mimo2-sampling.gguf", 7)
+    r, _ = _mtp_run(path, PROMPTS[0], k=2, sampling=SamplingParams(temperature=0.7, seed=3))
+    assert len(r.tokens) == N and r.stats.accepted > 0
+
+
+def test_several_mtp_layers_on_a_one_layer_graph_are_refused(heads_dir):
+    """glm4moe's MTP graph asserts one MTP layer (an abort): a 2-layer target is refused in one line with --method
+    mtp, and auto decodes without it."""
+    path = write_glm4moe_mtp(heads_dir / "glm-mtp2.gguf", 7, n_mtp=2)
+    base = [sys.executable, "-m", "localspec", "run", "-m", str(path), "-n", "4", "--raw", "the cat"]
+    r = subprocess.run(base + ["--method", "mtp"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "2 MTP layers" in lines[0], r.stderr
+    assert "Traceback" not in r.stderr and "aborted" not in r.stderr
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+
+
+# ----------------------------------------------------------------- MTP on a hybrid target
+@pytest.fixture(scope="module")
+def q35_mtp(heads_dir) -> dict:
+    """qwen35 hybrids (gated delta net + attention, one MTP layer): the arch Qwen3.5's MTP models ship as."""
+    return {"agree": write_qwen35_mtp(heads_dir / "q35-mtp.gguf", 7),
+            "perfect": write_qwen35_mtp(heads_dir / "q35-mtp-perfect.gguf", 7, wrong=0.0),
+            "random": write_qwen35_mtp(heads_dir / "q35-mtp-random.gguf", 7, mtp="random")}
+
+
+@pytest.mark.parametrize("rollback", ["rs", "checkpoint"])
+@pytest.mark.parametrize("which", ["random", "agree", "perfect"])
+def test_mtp_on_a_hybrid_target(which, rollback, q35_mtp, bigram, monkeypatch):
+    """The MTP context is a plain KV cache on the nextn layer (as llama.cpp makes it for qwen35); the target's
+    recurrent state rolls back through Model.truncate (RS planes, or checkpoints and a replay the hook sees)."""
+    from localspec.core.engine import Engine
+
+    if rollback == "checkpoint":
+        monkeypatch.setenv("LOCALSPEC_ROLLBACK", "checkpoint")
+    e = Engine.load(q35_mtp[which], n_ctx=512)
+    try:
+        assert e.target.is_hybrid and e.target.rollback_kind == rollback
+    finally:
+        e.close()
+    for prompt in PROMPTS[:2]:
+        r, plain = _mtp_run(q35_mtp[which], prompt)
+        assert r.tokens == plain == _plain(bigram, prompt), prompt  # the trunk adds nothing to the bigram target
+        s = r.stats
+        if which == "agree":
+            assert s.accepted > 0 and s.drafted > s.accepted
+        if which == "perfect":
+            assert s.drafted > 0 and s.accepted == s.drafted
+
+
+# ----------------------------------------------------------------- DFlash
+@pytest.fixture(scope="module")
+def dflash_random(heads_dir) -> Path:
+    return write_dflash(heads_dir / "dflash-random.gguf", 11)
+
+
+@pytest.fixture(scope="module")
+def dflash_agree(heads_dir) -> Path:
+    return write_dflash(heads_dir / "dflash-agree.gguf", 3, agree_with=7)
+
+
+def test_dflash_head_is_detected_from_the_file(dflash_agree, dflash_random):
+    from localspec.llama.heads import HEAD_ARCHS, file_arch
+
+    assert HEAD_ARCHS[file_arch(dflash_agree)] == "dflash" and file_arch(dflash_random) == "dflash"
+
+
+@pytest.mark.parametrize("exactness", ["lossless", "auto"])
+def test_dflash_random_head_output_identical_to_plain(random4, dflash_random, exactness):
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(random4, dflash_random, n_ctx=512)
+    try:
+        assert list(e.heads) == ["dflash"]
+        for prompt in PROMPTS:
+            r = e.complete(e.raw_prompt(prompt), GenConfig(method="dflash", max_tokens=N, k=4, p_min=0.0,
+                                                            exactness=exactness))
+            assert r.tokens == _plain(random4, prompt), prompt
+            assert r.stats.method == "dflash" and r.stats.drafted > 0
+    finally:
+        e.close()
+
+
+def test_dflash_agreeing_head_accepts_and_rolls_back(bigram, dflash_agree):
+    """The hand-built head names the token after the pending one from every mask row: with k=1 every draft is
+    accepted (the injection, the block decode and the cache cleanup line up); with k=4 the first token of each
+    block is accepted and the rest rejected (rollbacks, then injection over the rejected positions)."""
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(bigram, dflash_agree, n_ctx=512)
+    try:
+        for prompt in PROMPTS:
+            plain = _plain(bigram, prompt)
+            r = e.complete(e.raw_prompt(prompt), GenConfig(method="dflash", max_tokens=N, k=1, p_min=0.0,
+                                                            exactness="lossless"))
+            assert r.tokens == plain, prompt
+            assert r.stats.drafted > 0 and r.stats.accepted == r.stats.drafted
+            r = e.complete(e.raw_prompt(prompt), GenConfig(method="dflash", max_tokens=N, k=4, p_min=0.0,
+                                                            exactness="lossless"))
+            assert r.tokens == plain, prompt
+            assert r.stats.accepted > 0 and r.stats.drafted > r.stats.accepted
+        assert e.heads["dflash"].hook_calls > 0
+    finally:
+        e.close()
+
+
+def test_dflash_block_size_caps_k(heads_dir, bigram):
+    from localspec.core.engine import Engine, GenConfig
+
+    path = write_dflash(heads_dir / "dflash-b3.gguf", 3, agree_with=7, block_size=3)
+    e = Engine.load(bigram, path, n_ctx=512)
+    try:
+        r = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="dflash", max_tokens=N, k=6, p_min=0.0,
+                                                            exactness="lossless"))
+        assert r.tokens == _plain(bigram, PROMPTS[0])
+        assert 0 < r.stats.drafted <= 2 * r.stats.drafting_steps  # block_size 3: [pending, mask, mask]
+    finally:
+        e.close()
+
+
+def test_dflash_in_auto_long_prompt_and_sampling(bigram, dflash_agree):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.core.sampling import SamplingParams
+    from localspec.drafters.dflash import DFlashDrafter
+    from localspec.llama.model import Model
+
+    e = Engine.load(bigram, dflash_agree, n_ctx=512)
+    try:
+        cfg = GenConfig(method="auto", max_tokens=N, k=3, exactness="lossless")
+        assert "dflash" in e.drafters_for(cfg, "auto")
+        assert e.complete(e.raw_prompt(PROMPTS[2]), cfg).tokens == _plain(bigram, PROMPTS[2])
+    finally:
+        e.close()
+    t = Model(bigram, n_ctx=512, n_batch=16)
+    e = Engine(t)
+    e.heads["dflash"] = DFlashDrafter.load(t, dflash_agree)
+    try:
+        text = " ".join(PROMPTS * 3)
+        prompt = e.raw_prompt(text)
+        assert len(prompt) > 16  # the hook sees only the last chunk's hidden states
+        r = e.complete(prompt, GenConfig(method="dflash", max_tokens=N, k=3, p_min=0.0, exactness="lossless"))
+        assert r.tokens == _plain(bigram, text) and r.stats.accepted > 0
+        r = e.complete(prompt, GenConfig(method="dflash", max_tokens=N, k=3, p_min=0.0, exactness="lossless",
+                                         sampling=SamplingParams(temperature=0.8, seed=5)))
+        assert len(r.tokens) == N and r.stats.drafted > 0
+    finally:
+        e.close()
+
+
+def test_dflash_flags_leave_target_logits_bit_identical(random4, dflash_random):
+    import numpy as np
+
+    from localspec.drafters.dflash import DFlashDrafter
+    from localspec.llama.model import Model
+
+    with Model(random4, n_ctx=512) as t:
+        p = t.tokenize(PROMPTS[1])
+        before = [t.decode(p, "all"), t.decode([5, 6, 7, 8], "all")]
+        t.clear()
+        d = DFlashDrafter.load(t, dflash_random)
+        try:
+            after = [t.decode(p, "all"), t.decode([5, 6, 7, 8], "all")]
+        finally:
+            d.close()
+    for a, b in zip(before, after):
+        assert np.array_equal(a, b)
+
+
+def test_dflash_unsupported_target_arch_is_one_error_line(heads_dir, dflash_agree):
+    q2 = write_bigram_target(heads_dir / "qwen2-dflash.gguf", 7, arch="qwen2")
+    r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(q2), "-d", str(dflash_agree),
+                        "--method", "dflash", "-n", "4", "--raw", "the cat"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "qwen2" in lines[0], r.stderr
+    assert "DFlash" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_dflash_without_a_mask_token_is_refused(heads_dir, bigram):
     from localspec.core.engine import Engine
     from localspec.errors import IncompatibleDraftError
 
-    path = heads_dir / "dflash.gguf"
-    wr = gguf.GGUFWriter(str(path), "dflash")
-    wr.add_uint32("dflash.block_size", 16)
-    wr.write_header_to_file()
-    wr.write_kv_data_to_file()
-    wr.write_tensors_to_file()
-    wr.close()
-    with pytest.raises(IncompatibleDraftError, match="dflash draft head"):
+    path = write_dflash(heads_dir / "dflash-nomask.gguf", 3, mask_token=None)
+    with pytest.raises(IncompatibleDraftError, match="mask token"):
         Engine.load(bigram, path, n_ctx=512)
+
+
+def test_dflash_missing_symbol_makes_it_unavailable(monkeypatch, bigram, dflash_agree):
+    from localspec.core.engine import Engine
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama import ext
+
+    monkeypatch.setattr(ext, "_missing", ["llama_model_dflash_selector_top_k"])
+    assert "llama_model_dflash_selector_top_k" in ext.heads_available()["dflash"]
+    with pytest.raises(IncompatibleDraftError, match="--method dflash is unavailable"):
+        Engine.load(bigram, dflash_agree, n_ctx=512)
+    e = Engine.load(bigram, dflash_agree, n_ctx=512, drop_incompatible_draft=True)
+    try:
+        assert "unavailable" in e.dropped_draft and not e.heads
+    finally:
+        e.close()

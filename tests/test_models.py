@@ -293,3 +293,56 @@ def test_models_rm_and_list_local(hub, env, target_path):
     assert r.returncode == 0 and b"nothing downloaded" in r.stderr and "qwen2.5-coder-1.5b" in registry.load()[0]
     r = cli(["models", "rm", "qwen2.5-coder-1.5b", "--keep-files"])
     assert r.returncode == 2 and b"not a pair you added" in r.stderr
+
+
+# ------------------------------------------------------------------ draft heads: pairs, models add / info
+def test_shipped_head_pairs_parse():
+    """The shipped EAGLE-3 and MTP pairs (marked unverified in models.toml): an MTP target needs no draft."""
+    pairs, _ = registry.load()
+    assert pairs["llama3.1-8b-eagle3"].draft is not None and pairs["qwen3-8b-eagle3"].draft is not None
+    assert pairs["qwen3.5-4b-mtp"].draft is None
+    top = (Path(__file__).resolve().parents[1] / "models.toml").read_text()
+    for name in ("llama3.1-8b-eagle3", "qwen3-8b-eagle3", "qwen3.5-4b-mtp"):
+        line = next(x for x in top.splitlines() if x.startswith("description") and
+                    top.index(x) > top.index(f'[pairs."{name}"]'))
+        assert "unverified" in line, name
+
+
+@pytest.fixture
+def head_files(tmp_path):
+    from tinyheads import write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp
+
+    return {"target": write_bigram_target(tmp_path / "bigram.gguf", 7),
+            "qwen2": write_bigram_target(tmp_path / "qwen2.gguf", 7, arch="qwen2"),
+            "eagle3": write_eagle3(tmp_path / "eagle3.gguf", 3, agree_with=7),
+            "dflash": write_dflash(tmp_path / "dflash.gguf", 3, agree_with=7),
+            "dflash-b": write_dflash(tmp_path / "dflash-badlayers.gguf", 3, layers=(0, 1, 9)),
+            "mtp": write_glm4moe_mtp(tmp_path / "glm-mtp.gguf", 7)}
+
+
+def test_models_info_shows_the_drafter_kind_from_the_header(env, head_files, draft_path):
+    f = head_files
+    for head in ("eagle3", "dflash"):
+        r = cli(["models", "add", f"p-{head}", "--target", str(f["target"]), "--draft", str(f[head])])
+        assert r.returncode == 0 and f"(drafter: {head})".encode() in r.stderr, r.stderr
+        info = json.loads(cli(["models", "info", f"p-{head}", "--json"]).stdout)
+        assert info["draft"]["drafter"] == head and info["target"]["drafter"] is None
+        assert info["compatible"] is True, info["difference"]  # judged as a head, not by vocabulary alone
+        text = cli(["models", "info", f"p-{head}"]).stdout.decode()
+        assert f"drafter: {head} (a draft head" in text and "pair: compatible" in text
+    r = cli(["models", "add", "plain", "--target", str(f["target"]), "--draft", str(draft_path)])
+    assert b"(drafter: draft model)" in r.stderr
+    r = cli(["models", "add", "own-mtp", "--target", str(f["mtp"])])
+    assert r.returncode == 0 and b"(drafter: mtp)" in r.stderr, r.stderr
+    info = json.loads(cli(["models", "info", str(f["mtp"]), "--json"]).stdout)
+    assert info["model"]["drafter"] == "mtp"
+    assert "drafter: mtp (1 MTP layer" in cli(["models", "info", str(f["mtp"])]).stdout.decode()
+
+
+def test_models_info_judges_a_head_pair_by_the_target(env, head_files):
+    f = head_files
+    assert cli(["models", "add", "q2-eagle3", "--target", str(f["qwen2"]), "--draft", str(f["eagle3"])]).returncode == 0
+    info = json.loads(cli(["models", "info", "q2-eagle3", "--json"]).stdout)
+    assert info["compatible"] is False and "qwen2" in info["difference"]
+    r = cli(["models", "add", "bad-layers", "--target", str(f["target"]), "--draft", str(f["dflash-b"])])
+    assert r.returncode == 0 and b"warning: this draft cannot speculate" in r.stderr and b"[0, 1, 9]" in r.stderr

@@ -168,19 +168,19 @@ def write_eagle3(path: Path, seed: int, *, agree_with: int | None = None, layers
 
 
 def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,
-                      n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=32, n_trunk=2) -> Path:
+                      n_ff=128, n_expert=4, n_expert_used=2, n_ff_exp=32, n_trunk=2, n_mtp=1) -> Path:
     """A `glm4moe` target whose last block is one MTP (nextn) layer, MoE like the trunk's layer 1 (layer 0 is dense).
     The trunk is the bigram target of `seed` (blocks add nothing, next token pi(t)). mtp="agree": the MTP layer
     names pi(t_{P+1}) from the token it is given (eh_proj keeps the token half, the block adds nothing), through its
     own shared head, which is wrong for a `wrong` fraction of the tokens (so rollbacks happen); mtp="random": random
-    weights (mostly rejections)."""
+    weights (mostly rejections). n_mtp > 1: that many MTP layers (llama.cpp's glm4moe MTP graph runs one only)."""
     import gguf
 
     tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
     n_vocab = len(tokens)
     rng = np.random.default_rng(seed + 2)
     head_dim = n_embd // n_head
-    n_all = n_trunk + 1
+    n_all = n_trunk + n_mtp
 
     def w(*shape, std=0.6):
         return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
@@ -206,13 +206,13 @@ def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float
     wr.add_leading_dense_block_count(1)
     wr.add_expert_weights_norm(True)
     wr.add_expert_weights_scale(1.0)
-    wr.add_uint32("glm4moe.nextn_predict_layers", 1)
+    wr.add_uint32("glm4moe.nextn_predict_layers", n_mtp)
     wr.add_file_type(1)
     _vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     for i in range(n_all):
         p = f"blk.{i}."
-        is_mtp = i == n_trunk
+        is_mtp = i >= n_trunk
         rand = is_mtp and mtp == "random"
         wr.add_tensor(p + "attn_norm.weight", ones)
         wr.add_tensor(p + "attn_q.weight", w(n_embd, n_embd))
@@ -246,6 +246,265 @@ def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float
                 bad = rng.choice(words, int(wrong * len(words)), replace=False)
                 succ[bad] = pi[pi[bad]]  # wrong successors for these tokens
                 head = _out_for(emb, succ, n_vocab)
+            wr.add_tensor(p + "nextn.eh_proj.weight", eh)
+            wr.add_tensor(p + "nextn.enorm.weight", ones)
+            wr.add_tensor(p + "nextn.hnorm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_head.weight", head.astype(np.float16))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path
+
+
+MASK_TOKEN = 0  # <unk>: never generated, the DFlash drafts' mask token
+
+
+def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers=(0, 1, 3), n_embd=64, n_embd_tgt=64,
+                 n_head=4, n_ff=128, block_size=8, mask_token: int | None = MASK_TOKEN) -> Path:
+    """A `dflash` draft GGUF (src/models/dflash.cpp: fc + enc.output_norm over the target's layer inputs, injected
+    as K/V; a token batch [pending, mask x n] attends non-causally to them and to itself) with its own embeddings
+    and output head. Random weights, or (agree_with=SEED of the bigram target) a head whose every mask row names
+    pi(pending): one head, rope on dims 0-1 only; dim 2 flags a word token, dim 3 the mask token, dims 4.. carry
+    the token's identity r_t. A mask row's query (dim 2, scaled by attn_q_norm) meets only word tokens' keys, so it
+    attends to the pending token alone (injected rows: fc = 0, K = V = 0; other masks: K = 0), copies its r_t (V,
+    wo: identity on dims 4..) and the output row pi(t) is r_t. Only the first drafted token can be right: later ones
+    are pi(pending) again, so rollbacks happen. mask_token None: the vocabulary declares none."""
+    import gguf
+
+    tokens, scores, types = vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    if agree_with is not None:
+        n_head = 1
+    head_dim = n_embd // n_head
+    n_in = len(layers) * n_embd_tgt
+    wr = gguf.GGUFWriter(str(path), "dflash")
+    wr.add_name(f"dflash-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(1)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(2 if agree_with is not None else head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_file_type(1)
+    wr.add_array("dflash.target_layers", [int(x) for x in layers])
+    wr.add_uint32("dflash.block_size", block_size)
+    _vocab_kv(wr, tokens, scores, types)
+    if mask_token is not None:
+        wr.add_uint32("tokenizer.ggml.mask_token_id", mask_token)
+    ones = np.ones(n_embd, dtype=np.float32)
+    p = "blk.0."
+    if agree_with is not None:
+        _, _, _, _, pi = bigram_parts(agree_with, n_embd_tgt)
+        ident = slice(4, n_embd)
+        r = rng.standard_normal((n_vocab, n_embd - 4)).astype(np.float32)
+        emb = np.zeros((n_vocab, n_embd), dtype=np.float32)
+        emb[:, ident] = r
+        emb[:, 2] = 1.0
+        emb[MASK_TOKEN] = 0.0
+        emb[MASK_TOKEN, 3] = 1.0
+        out = np.zeros((n_vocab, n_embd), dtype=np.float32)
+        for t in range(N_SPECIAL, n_vocab):
+            out[pi[t], ident] = r[t] * (4.0 / np.sqrt(n_embd))
+        fc = np.zeros((n_embd, n_in), dtype=np.float16)
+        wq = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wq[2, 3] = 1.0  # a mask row asks for word tokens
+        wk = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wk[2, 2] = 1.0  # a word token answers
+        wv = np.zeros((n_embd, n_embd), dtype=np.float16)
+        wv[ident, ident] = np.eye(n_embd - 4, dtype=np.float16)
+        wo = np.eye(n_embd, dtype=np.float16)
+        qn = np.full(head_dim, 4.0, dtype=np.float32)
+        kn = np.full(head_dim, 4.0, dtype=np.float32)
+        down = np.zeros((n_embd, n_ff), dtype=np.float16)
+    else:
+        emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
+        out = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+        fc, wq, wk, wv, wo = w(n_embd, n_in), w(n_embd, n_embd), w(n_embd, n_embd), w(n_embd, n_embd), w(n_embd, n_embd)
+        qn = kn = np.ones(head_dim, dtype=np.float32)
+        down = w(n_embd, n_ff)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    wr.add_tensor("fc.weight", fc)
+    wr.add_tensor("enc.output_norm.weight", ones)
+    wr.add_tensor(p + "attn_norm.weight", ones)
+    wr.add_tensor(p + "attn_q.weight", wq)
+    wr.add_tensor(p + "attn_k.weight", wk)
+    wr.add_tensor(p + "attn_v.weight", wv)
+    wr.add_tensor(p + "attn_output.weight", wo)
+    wr.add_tensor(p + "attn_q_norm.weight", qn)
+    wr.add_tensor(p + "attn_k_norm.weight", kn)
+    wr.add_tensor(p + "ffn_norm.weight", ones)
+    wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+    wr.add_tensor(p + "ffn_down.weight", down)
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", out.astype(np.float16))
+    _finish(wr)
+    return path
+
+
+def write_qwen35_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,
+                     n_ff=128, n_trunk=4, d_state=16, n_group=2, n_v_heads=4, d_conv=4) -> Path:
+    """A `qwen35` hybrid target (gated-delta-net layers 0 and 2, attention layers 1 and 3: recurrent state plus a KV
+    cache) with one MTP layer after the trunk, as Qwen3.5 ships it. The trunk is the bigram target of `seed` (every
+    block adds nothing: ssm_out, attn_output and ffn_down are zero; next token pi(t)); the MTP layer is as in
+    write_glm4moe_mtp (mtp="agree": names pi(t_{P+1}), wrong for a `wrong` fraction; "random": random weights)."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 3)
+    head_dim = n_embd // n_head
+    key_dim, value_dim = d_state * n_group, d_state * n_v_heads
+    conv_dim = 2 * key_dim + value_dim
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.float16)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    wr = gguf.GGUFWriter(str(path), "qwen35")
+    wr.add_name(f"qwen35-mtp-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_trunk + 1)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_array("qwen35.rope.dimension_sections", [head_dim // 4, head_dim // 8, head_dim // 8, 0])
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("qwen35.ssm.conv_kernel", d_conv)
+    wr.add_uint32("qwen35.ssm.inner_size", value_dim)
+    wr.add_uint32("qwen35.ssm.state_size", d_state)
+    wr.add_uint32("qwen35.ssm.time_step_rank", n_v_heads)
+    wr.add_uint32("qwen35.ssm.group_count", n_group)
+    wr.add_uint32("qwen35.full_attention_interval", 2)
+    wr.add_uint32("qwen35.nextn_predict_layers", 1)
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+
+    def attention(p, rand):
+        wr.add_tensor(p + "attn_q.weight", w(2 * n_embd, n_embd))  # query and its gate
+        wr.add_tensor(p + "attn_k.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_v.weight", w(n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd) if rand else z(n_embd, n_embd))
+        wr.add_tensor(p + "attn_q_norm.weight", np.ones(head_dim, dtype=np.float32))
+        wr.add_tensor(p + "attn_k_norm.weight", np.ones(head_dim, dtype=np.float32))
+
+    for i in range(n_trunk + 1):
+        p = f"blk.{i}."
+        is_mtp = i == n_trunk
+        rand = is_mtp and mtp == "random"
+        wr.add_tensor(p + "attn_norm.weight", ones)
+        wr.add_tensor(p + "post_attention_norm.weight", ones)
+        if is_mtp or (i + 1) % 2 == 0:
+            attention(p, rand)
+        else:  # gated delta net
+            wr.add_tensor(p + "attn_qkv.weight", w(conv_dim, n_embd))
+            wr.add_tensor(p + "attn_gate.weight", w(value_dim, n_embd))
+            wr.add_tensor(p + "ssm_conv1d.weight", (rng.standard_normal((conv_dim, d_conv)) * 0.5).astype(np.float32))
+            wr.add_tensor(p + "ssm_dt.bias", np.zeros(n_v_heads, dtype=np.float32))
+            wr.add_tensor(p + "ssm_a", -np.ones(n_v_heads, dtype=np.float32))
+            wr.add_tensor(p + "ssm_beta.weight", w(n_v_heads, n_embd))
+            wr.add_tensor(p + "ssm_alpha.weight", w(n_v_heads, n_embd))
+            wr.add_tensor(p + "ssm_norm.weight", np.ones(d_state, dtype=np.float32))
+            wr.add_tensor(p + "ssm_out.weight", z(n_embd, value_dim))
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff) if rand else z(n_embd, n_ff))
+        if is_mtp:
+            if rand:
+                eh = w(n_embd, 2 * n_embd)
+                head = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+            else:
+                eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float16)
+                eh[:, :n_embd] = np.eye(n_embd, dtype=np.float16)  # the token's half: emb[t_{P+1}]
+                succ = pi.copy()
+                words = np.arange(N_SPECIAL, n_vocab)
+                bad = rng.choice(words, int(wrong * len(words)), replace=False)
+                succ[bad] = pi[pi[bad]]
+                head = _out_for(emb, succ, n_vocab)
+            wr.add_tensor(p + "nextn.eh_proj.weight", eh)
+            wr.add_tensor(p + "nextn.enorm.weight", ones)
+            wr.add_tensor(p + "nextn.hnorm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_norm.weight", ones)
+            wr.add_tensor(p + "nextn.shared_head_head.weight", head.astype(np.float16))
+    wr.add_tensor("output_norm.weight", ones)
+    wr.add_tensor("output.weight", _out_for(emb, pi, n_vocab).astype(np.float16))
+    _finish(wr)
+    return path
+
+
+def write_mimo2_mtp(path: Path, seed: int, *, mtp=("agree", "agree"), n_embd=64, n_head=4, n_ff=128, n_trunk=2
+                    ) -> Path:
+    """A dense `mimo2` target with len(mtp) MTP (nextn) layers after the trunk: an arch whose llama.cpp MTP graph
+    takes any of its layers (llama_set_nextn_layer_offset), so the heads chain (head i drafts token i). The trunk
+    is the bigram target of `seed`; each MTP layer is "agree" (names pi(t) from the token t it is given, always
+    right) or "random"."""
+    import gguf
+
+    tokens, scores, types, emb, pi = bigram_parts(seed, n_embd)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 4)
+    head_dim = n_embd // n_head
+    n_all = n_trunk + len(mtp)
+
+    def w(*shape, std=0.6):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    def z(*shape):
+        return np.zeros(shape, dtype=np.float16)
+
+    ones = np.ones(n_embd, dtype=np.float32)
+    wr = gguf.GGUFWriter(str(path), "mimo2")
+    wr.add_name(f"mimo2-mtp-{seed}")
+    wr.add_context_length(2048)
+    wr.add_embedding_length(n_embd)
+    wr.add_block_count(n_all)
+    wr.add_feed_forward_length(n_ff)
+    wr.add_uint32("mimo2.expert_feed_forward_length", n_ff)
+    wr.add_head_count(n_head)
+    wr.add_head_count_kv(n_head)
+    wr.add_rope_dimension_count(head_dim)
+    wr.add_layer_norm_rms_eps(1e-5)
+    wr.add_uint32("mimo2.attention.sliding_window", 4096)
+    wr.add_array("mimo2.attention.sliding_window_pattern", [True] + [False] * (n_all - 1))  # one is required
+    wr.add_uint32("mimo2.nextn_predict_layers", len(mtp))
+    wr.add_file_type(1)
+    _vocab_kv(wr, tokens, scores, types)
+    wr.add_tensor("token_embd.weight", emb.astype(np.float16))
+    for i in range(n_all):
+        p = f"blk.{i}."
+        kind = mtp[i - n_trunk] if i >= n_trunk else "trunk"
+        rand = kind == "random"
+        wr.add_tensor(p + "attn_norm.weight", ones)
+        wr.add_tensor(p + "attn_qkv.weight", w(3 * n_embd, n_embd))
+        wr.add_tensor(p + "attn_output.weight", w(n_embd, n_embd) if rand else z(n_embd, n_embd))
+        wr.add_tensor(p + "ffn_norm.weight", ones)
+        wr.add_tensor(p + "ffn_gate.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_up.weight", w(n_ff, n_embd))
+        wr.add_tensor(p + "ffn_down.weight", w(n_embd, n_ff) if rand else z(n_embd, n_ff))
+        if i >= n_trunk:
+            if rand:
+                eh = w(n_embd, 2 * n_embd)
+                head = rng.standard_normal((n_vocab, n_embd)).astype(np.float32) * (4.0 / np.sqrt(n_embd))
+            else:
+                eh = np.zeros((n_embd, 2 * n_embd), dtype=np.float16)
+                eh[:, :n_embd] = np.eye(n_embd, dtype=np.float16)  # the token's half
+                head = _out_for(emb, pi, n_vocab)
             wr.add_tensor(p + "nextn.eh_proj.weight", eh)
             wr.add_tensor(p + "nextn.enorm.weight", ones)
             wr.add_tensor(p + "nextn.hnorm.weight", ones)

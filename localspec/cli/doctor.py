@@ -42,8 +42,8 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     ]
     from localspec.llama.ext import heads_available
 
-    report["draft_heads"] = {h: (f"unavailable: {why}" if why is not None else "supported" if h != "dflash"
-                                 else "recognised, not yet supported by localspec")
+    extra = {"dflash": " (plain DFlash; DFlash2 and DSpark heads are refused)"}
+    report["draft_heads"] = {h: (f"unavailable: {why}" if why is not None else "supported" + extra.get(h, ""))
                              for h, why in heads_available().items()}
     report["notes"] = notes
     if as_json:

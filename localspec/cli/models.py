@@ -160,9 +160,8 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     """GGUF facts (architecture, size, quantization, context, vocab) and the pair's compatibility verdict."""
     from localspec.models import download
     from localspec.models import registry
-    from localspec.models.pair import first_difference
     from localspec.models import rollback
-    from localspec.models.gguf_header import read_file_metadata, summary, vocab_info
+    from localspec.models.gguf_header import drafter_kind, drafter_words, pair_incompatibility, read_file_metadata, summary
 
     files: dict[str, Path] = {}
     if registry.looks_like_path(what):
@@ -181,10 +180,12 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     out, metas = {}, {}
     for role, p in files.items():
         metas[role] = read_file_metadata(p)
+        kind = drafter_kind(metas[role])
         out[role] = {"path": str(p), "size": p.stat().st_size, **summary(metas[role]),
-                     "rollback": rollback.kind_for_arch(str(metas[role].get("general.architecture", "")))}
+                     "rollback": rollback.kind_for_arch(str(metas[role].get("general.architecture", ""))),
+                     "drafter": kind or ("draft model" if role == "draft" else None)}
     if "draft" in metas:
-        why = first_difference(vocab_info(metas["target"]), vocab_info(metas["draft"]))
+        why = pair_incompatibility(metas["target"], metas["draft"])
         out["compatible"] = why is None
         out["difference"] = why
     if as_json:
@@ -194,6 +195,8 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
         if isinstance(facts, dict):
             typer.echo(f"{role}:")
             for k, v in facts.items():
+                if k == "drafter":
+                    v = drafter_words(metas[role], role)
                 typer.echo(f"  {k}: {rollback.WORDS.get(v, v) if k == 'rollback' else v}")
     if "compatible" in out:
         typer.echo("pair: " + ("compatible (can speculate)" if out["compatible"] else f"INCOMPATIBLE: {out['difference']}"))
@@ -216,9 +219,18 @@ def models_add(
     registry.check_name(name)
     t = hfname.file_spec(target)
     d = hfname.file_spec(draft) if draft else None
-    why = download.remote_incompatibility(t, d) if d is not None else None  # local files or remote headers
+    from localspec.models.gguf_header import drafter_kind, pair_incompatibility
+
+    metas = download.header_metadata(t, d) if d is not None else download.header_metadata(t)  # local or remote
+    why = pair_incompatibility(*metas) if metas is not None and d is not None else None
     if why:
         sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
     path = registry.add(name, t, d, k=k, ctx=ctx, description=description)
-    sys.stderr.write(f"added pair {name} to {path}\n")
+    if metas is None:
+        kind = "unknown (the headers could not be read now)"
+    elif d is not None:
+        kind = drafter_kind(metas[1]) or "draft model"
+    else:
+        kind = "mtp" if drafter_kind(metas[0]) == "mtp" else "prompt lookup"
+    sys.stderr.write(f"added pair {name} to {path} (drafter: {kind})\n")
 

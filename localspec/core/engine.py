@@ -162,7 +162,7 @@ class Engine:
                     unavailable["mtp"] = str(exc)
             kind = HEAD_ARCHS.get(file_arch(draft_path) or "") if draft_path is not None else None
             dropped = None
-            if kind in HEADS:  # a draft head (EAGLE-3): it runs on the target's context, not as a model
+            if kind in HEADS:  # a draft head (EAGLE-3, DFlash): it runs on the target's context, not as a model
                 try:
                     heads[kind] = HEADS[kind].load(target, draft_path,
                                                    n_gpu_layers=resolve_gpu_layers(draft_gpu_layers))
@@ -170,9 +170,9 @@ class Engine:
                     if not drop_incompatible_draft:
                         raise
                     dropped = unavailable[kind] = str(exc)
-            elif kind is not None:  # a head arch localspec cannot drive yet (dflash)
+            elif kind is not None:  # a head arch localspec cannot drive
                 raise IncompatibleDraftError(f"{Path(draft_path).name} is a {kind} draft head, which localspec "
-                                             "cannot use yet (eagle3 and mtp heads are supported)")
+                                             f"cannot use ({', '.join(HEADS)} heads are supported)")
             elif draft_path is not None:
                 draft = Model(draft_path, n_ctx=target.n_ctx, n_gpu_layers=resolve_gpu_layers(draft_gpu_layers),
                               n_threads=threads)

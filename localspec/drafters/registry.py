@@ -3,6 +3,7 @@ is one module beside these and one line here; the methods users may name follow 
 
 from __future__ import annotations
 
+from localspec.drafters.dflash import DFlashDrafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.eagle3 import Eagle3Drafter
 from localspec.drafters.mtp import MtpDrafter
@@ -13,7 +14,8 @@ KINDS: dict[str, type] = {
     "lookup": PromptLookupDrafter,  # n-grams of the prompt and answer so far
     "eagle3": Eagle3Drafter,  # llama.cpp's EAGLE-3 head (-d HEAD.gguf of arch eagle3) on the target's hidden states
     "mtp": MtpDrafter,  # the target's own MTP (nextn) layers, found in the target GGUF
+    "dflash": DFlashDrafter,  # llama.cpp's DFlash block-diffusion head (-d HEAD.gguf of arch dflash)
 }
 # draft heads: drafters built from the target's own context (HEADS[kind] has .load(target, path, ...))
-HEADS: dict[str, type] = {"eagle3": Eagle3Drafter, "mtp": MtpDrafter}
+HEADS: dict[str, type] = {"eagle3": Eagle3Drafter, "mtp": MtpDrafter, "dflash": DFlashDrafter}
 METHODS = ("auto", *KINDS, "none")  # auto: the controller picks among the drafters; none: plain decoding

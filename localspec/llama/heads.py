@@ -17,17 +17,8 @@ import numpy as np
 
 from localspec.errors import DecodeError, IncompatibleDraftError, ModelLoadError
 from localspec.llama import ext, ggml, lib
+from localspec.llama.headarchs import HEAD_ARCHS, LAYER_INP_ARCHS  # noqa: F401 - part of this module's API
 from localspec.llama.model import GGML_TYPES
-
-# archs whose graph fills `t_layer_inp` (src/models/*.cpp at the vendored commit): setting
-# llama_set_embeddings_layer_inp on any other target aborts the process at its next decode (qwen2, gemma3, ...)
-LAYER_INP_ARCHS = frozenset({
-    "llama", "qwen3", "qwen3moe", "qwen3next", "qwen35", "qwen35moe", "qwen4exp", "gemma3n", "gemma4",
-    "muse-glimmer", "deepseek4", "nemotron_h", "bailingmoe3", "hunyuan_vl", "gpt-oss", "lfm2", "minimax-01",
-    "minimax-m2", "mimo2", "nanbeige",
-})
-
-HEAD_ARCHS = {"eagle3": "eagle3", "dflash": "dflash"}  # general.architecture -> drafter kind
 
 CONTEXT_TYPE_DEFAULT = 0
 CONTEXT_TYPE_MTP = 1
@@ -298,3 +289,13 @@ def nextn_rows(ctx, n_rows: int, n_embd: int) -> np.ndarray:
     if not ptr:
         raise DecodeError("no nextn hidden states were extracted")
     return np.ctypeslib.as_array(ptr, shape=(n_rows, n_embd))
+
+
+def has_tensor(path: str | os.PathLike, name: str) -> bool:
+    """Whether a GGUF file holds tensor `name`, read from its header (False: it does not or is unreadable)."""
+    try:
+        import gguf
+
+        return any(t.name == name for t in gguf.GGUFReader(str(path)).tensors)
+    except Exception:
+        return False

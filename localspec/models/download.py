@@ -440,19 +440,28 @@ def free_bytes(path: Path) -> int:
 def remote_incompatibility(target: FileSpec, draft: FileSpec) -> str | None:
     """Why `draft` cannot speculate for `target`, read from the two GGUF headers before anything is downloaded:
     a local copy when there is one, else the hub with HTTP range requests. None when the pair is compatible, or
-    when it cannot be checked now (offline, hub unreachable, ranged read refused): the load-time check remains."""
-    from localspec.models.pair import first_difference
-    from localspec.errors import LocalspecError
-    from localspec.models.gguf_header import read_metadata, vocab_info
+    when it cannot be checked now (offline, hub unreachable, ranged read refused): the load-time check remains.
+    A draft head (eagle3, dflash) is judged as a head (the target's arch and layers), not by its vocabulary."""
+    from localspec.models.gguf_header import pair_incompatibility
 
-    infos = []
+    metas = header_metadata(target, draft)
+    return None if metas is None else pair_incompatibility(*metas)
+
+
+def header_metadata(*specs: FileSpec) -> list[dict] | None:
+    """The GGUF header metadata of each spec (a local copy, else the hub with HTTP range requests); None when one
+    cannot be read now (offline, hub unreachable, ranged read refused)."""
+    from localspec.errors import LocalspecError
+    from localspec.models.gguf_header import read_metadata
+
+    metas = []
     reach = None
-    for spec in (target, draft):
+    for spec in specs:
         lp = local_path(spec)
         try:
             if lp is not None:
                 with open(lp, "rb") as fh:
-                    infos.append(vocab_info(read_metadata(fh)))
+                    metas.append(read_metadata(fh))
                 continue
             if spec.path is not None or offline():
                 return None
@@ -460,12 +469,12 @@ def remote_incompatibility(target: FileSpec, draft: FileSpec) -> str | None:
                 reach = hub_reachable()
             if reach is not True:
                 return None
-            infos.append(vocab_info(read_metadata(RemoteFile(spec))))
+            metas.append(read_metadata(RemoteFile(spec)))
         except LocalspecError:
             raise
         except Exception:
             return None  # the hub refused the ranged read: the check runs at load time
-    return first_difference(*infos)
+    return metas
 
 
 class RemoteFile:

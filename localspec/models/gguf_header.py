@@ -61,7 +61,8 @@ KEEP_ARRAYS = {"tokenizer.ggml.tokens"}
 
 
 def read_metadata(fh: BinaryIO) -> dict:
-    """Metadata key -> value (strings decoded; arrays other than the token list replaced by their length)."""
+    """Metadata key -> value (strings decoded; arrays other than the token list and a draft head's target layers
+    replaced by their length)."""
     r = _Reader(fh)
     if r.read(4) != b"GGUF":
         raise ModelLoadError("not a GGUF file (bad magic)")
@@ -74,7 +75,7 @@ def read_metadata(fh: BinaryIO) -> dict:
     for _ in range(n_kv):
         key = r.string().decode("utf-8", "replace")
         typ = r.unpack("<I")
-        val = r.value(typ, keep_arrays=key in KEEP_ARRAYS)
+        val = r.value(typ, keep_arrays=key in KEEP_ARRAYS or key.endswith(".target_layers"))  # a head's few ids
         if isinstance(val, bytes):
             val = val.decode("utf-8", "replace") if key not in KEEP_ARRAYS else val
         meta[key] = val
@@ -125,3 +126,77 @@ def summary(meta: dict) -> dict:
         "chat_template": "tokenizer.chat_template" in meta,
         "tensors": meta.get("GGUF.tensor_count"),
     }
+
+
+HEAD_KINDS = ("eagle3", "dflash")
+
+
+def nextn_layers(meta: dict) -> int:
+    """How many MTP (nextn) layers the model carries ({arch}.nextn_predict_layers; 0: none)."""
+    arch = meta.get("general.architecture", "")
+    try:
+        return int(meta.get(f"{arch}.nextn_predict_layers") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def drafter_kind(meta: dict) -> str | None:
+    """What this GGUF drafts as: "eagle3" or "dflash" (a draft head, -d), "mtp" (a target with its own MTP layers),
+    None (a plain model: a target, or a draft model for one)."""
+    from localspec.llama.headarchs import HEAD_ARCHS
+
+    kind = HEAD_ARCHS.get(str(meta.get("general.architecture", "")))
+    if kind is not None:
+        return kind
+    return "mtp" if nextn_layers(meta) > 0 else None
+
+
+def drafter_words(meta: dict, role: str) -> str:
+    """drafter_kind in words, for `models info` and `models add`."""
+    kind = drafter_kind(meta)
+    if kind in HEAD_KINDS:
+        return f"{kind} (a draft head on the target's hidden states)"
+    if kind == "mtp":
+        n = nextn_layers(meta)
+        return f"mtp ({n} MTP layer{'s' if n != 1 else ''} in the model itself: --method mtp, no draft needed)"
+    return "draft model" if role == "draft" else "none (a plain model)"
+
+
+def head_incompatibility(target: dict, head: dict) -> str | None:
+    """Why draft head `head` (eagle3, dflash) cannot run on `target`, from the two headers (None: it can, as far as
+    the headers tell; the load-time checks remain)."""
+    from localspec.llama.headarchs import LAYER_INP_ARCHS
+
+    kind = drafter_kind(head)
+    t_arch = str(target.get("general.architecture", "?"))
+    h_arch = str(head.get("general.architecture", "?"))
+    if t_arch not in LAYER_INP_ARCHS:
+        return (f"{kind} needs the target's layer hidden states, which llama.cpp does not extract for {t_arch}-arch "
+                "models")
+    layers = head.get(f"{h_arch}.target_layers")
+    n_layer = target.get(f"{t_arch}.block_count")
+    if isinstance(layers, list) and isinstance(n_layer, int):
+        n_trunk = n_layer - nextn_layers(target)
+        bad = [x for x in layers if not isinstance(x, int) or not 0 <= x < n_trunk]
+        if bad:
+            return f"the {kind} head reads target layers {layers}, the target has {n_trunk}"
+    hidden = head.get("eagle3.target_hidden_size") if kind == "eagle3" else None
+    n_embd = target.get(f"{t_arch}.embedding_length")
+    if isinstance(hidden, int) and isinstance(n_embd, int) and hidden != n_embd:
+        return f"the {kind} head was trained on a target of hidden size {hidden}, the target has {n_embd}"
+    t_tok, h_tok = target.get("tokenizer.ggml.tokens"), head.get("tokenizer.ggml.tokens")
+    if isinstance(t_tok, list) and isinstance(h_tok, list) and len(t_tok) != len(h_tok):
+        return f"the {kind} head has a vocabulary of {len(h_tok)} tokens, the target {len(t_tok)}"
+    if kind == "dflash" and "tokenizer.ggml.mask_token_id" not in head:
+        return "the dflash head declares no mask token (tokenizer.ggml.mask_token_id)"
+    return None
+
+
+def pair_incompatibility(target: dict, draft: dict) -> str | None:
+    """Why `draft` cannot speculate for `target` (a draft model: the vocabularies; a draft head: head_incompatibility);
+    None when it can."""
+    from localspec.models.pair import first_difference
+
+    if drafter_kind(draft) in HEAD_KINDS:
+        return head_incompatibility(target, draft)
+    return first_difference(vocab_info(target), vocab_info(draft))

@@ -1,0 +1,144 @@
+"""DFlash: a block-diffusion draft head on the target's hidden states (llama.cpp's `draft-dflash`).
+
+As common/speculative.cpp does it at the vendored commit (plain DFlash; DFlash2's selector lattice and DSpark's
+Markov head are refused):
+- the target context extracts the inputs of the head's target layers (llama_set_embeddings_layer_inp);
+- after every target decode, the concatenated layer-input rows are decoded as embedding rows into the head's
+  context at the target's positions: its graph fuses them (fc, enc.output_norm) and writes them into its KV cache;
+- propose() decodes one block [pending, mask x k] at positions P..P+k with non-causal attention (every row sees the
+  injected cache and the whole block): row i's logits name the token at P+i, so one decode gives the whole draft;
+  the block's own K/V are then removed from the head's cache (only the target's features stay there);
+- k is capped by the trained `dflash.block_size` (block_size - 1 drafted tokens).
+
+Each position's injected row is the target's own hidden state there, so rollbacks need only `prepare(first)` before
+the next injection (drop what the cache holds from there on): no accept() feedback.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from localspec.core.sampling import SamplingParams
+from localspec.drafters.base import Drafter, Offer, Proposal, draft_loop
+from localspec.drafters.eagle3 import top10_p
+from localspec.errors import IncompatibleDraftError
+
+
+class DFlashDrafter(Drafter):
+    name = "dflash"
+    prior_alpha = 0.5
+
+    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
+        """target: the loaded target Model; head: the dflash GGUF (heads.HeadModel). Raises IncompatibleDraftError
+        (one line) for a build without the calls, a head that is not plain DFlash or a target it cannot read."""
+        from localspec.llama import heads, lib  # lazily: the registry is imported by front ends that never load a model
+        heads.require_head("dflash")
+        if head.arch != "dflash":
+            raise IncompatibleDraftError(f"{head.name} is a {head.arch} model, not a DFlash head")
+        ll = lib.require()
+        m = head._model
+        if int(heads.ext.fn("llama_model_dflash_selector_top_k")(m)) > 0:
+            raise IncompatibleDraftError(f"{head.name} is a DFlash2 head (a selector lattice), which localspec does "
+                                         "not drive yet (plain DFlash heads are supported)")
+        if heads.has_tensor(head.path, "markov_w1.weight"):
+            raise IncompatibleDraftError(f"{head.name} is a DSpark head (a Markov head), which localspec does not "
+                                         "drive yet (plain DFlash heads are supported)")
+        if heads.meta_str(m, "dflash.hyper_connection.count") not in (None, "0"):
+            raise IncompatibleDraftError(f"{head.name} is a DeepSeek-V4 DSpark head, which localspec does not drive "
+                                         "yet (plain DFlash heads are supported)")
+        self.target = target
+        self.head = head
+        self.p_min = p_min
+        self._cost = cost
+        self.layer_ids = heads.target_layer_ids(m)
+        if not self.layer_ids:
+            raise IncompatibleDraftError(f"{head.name} names no target layers (dflash.target_layers)")
+        heads.check_layer_inp_target(target, "DFlash", self.layer_ids)  # before any flag is set
+        if heads.n_vocab_of(m) != target.n_vocab:
+            raise IncompatibleDraftError(f"{head.name} has a vocabulary of {heads.n_vocab_of(m)} tokens, "
+                                         f"{target.name} has {target.n_vocab}")
+        self.mask = int(ll.llama_vocab_mask(ll.llama_model_get_vocab(m)))
+        if self.mask < 0:
+            raise IncompatibleDraftError(f"{head.name} declares no mask token (tokenizer.ggml.mask_token_id)")
+        self.block_size = int(heads.meta_str(m, "dflash.block_size") or 16)
+        if self.block_size < 2:
+            raise IncompatibleDraftError(f"{head.name} has a block size of {self.block_size}: it drafts nothing")
+        causal = heads.meta_str(m, "dflash.attention.causal") == "true"
+        self.n_embd_tgt = heads.n_embd_of(target._model)
+        self.ctx = heads.HeadContext(m, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
+                                     kv_type=target.kv_type, ctx_other=target._ctx, name=head.name)
+        heads.enable_layer_inp(target._ctx, self.layer_ids)
+        heads.set_nextn(self.ctx.ctx, True, True)
+        ll.llama_set_causal_attn(self.ctx.ctx, causal)  # DFlash attends non-causally unless the model says otherwise
+        self.hook_s = 0.0  # time in after_target_decode (the per-step overhead the head adds to every decode)
+        self.hook_calls = 0
+
+    def cost(self) -> float | None:
+        return self._cost
+
+    @property
+    def k_max(self) -> int:
+        return self.block_size - 1
+
+    def offer(self, context: Sequence[int], k: int) -> Offer | None:
+        k = min(k, self.k_max)
+        return Offer(k, self.name) if k > 0 else None
+
+    # ---------------------------------------------------------------- hook
+    def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        t0 = time.perf_counter()
+        n = len(tokens)
+        if n == 0:
+            return
+        # Model.decode splits a long prompt into n_batch chunks: only the last chunk's hidden states are left
+        m = (n - 1) % self.target.n_batch + 1
+        pos0 = int(positions[n - m])
+        ctx_t = self.target._ctx
+        feats = np.concatenate([heads.layer_inp_rows(ctx_t, lid, m, self.n_embd_tgt) for lid in self.layer_ids],
+                               axis=1)
+        self.ctx.prepare(pos0)
+        step = self.ctx.n_ubatch
+        for i in range(0, m, step):
+            c = min(step, m - i)
+            self.ctx.process(heads.PROCESS_DECODE, [(None, pos0 + i + j, feats[i + j], False) for j in range(c)])
+        self.hook_s += time.perf_counter() - t0
+        self.hook_calls += 1
+
+    # ------------------------------------------------------------- propose
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        P = len(context) - 1  # the pending token's position: the target holds 0..P-1
+        room = self.target.n_ctx - len(context) - 1
+        k = min(k, self.k_max, max(room, 0), self.ctx.n_ubatch - 1)
+        if k <= 0:
+            return Proposal()
+        self.ctx.seq_rm(P)  # features of rejected drafts (the target rolled back past them)
+        if self.ctx.pos_max() != P - 1:  # the cache must hold the target's features up to P - 1
+            return Proposal()
+        block = [(int(context[-1]), P, None, True)] + [(self.mask, P + 1 + i, None, True) for i in range(k)]
+        self.ctx.process(heads.PROCESS_DECODE, block)
+        rows = np.stack([self.ctx.logits(1 + i) for i in range(k)])  # the k mask rows (a copy)
+        self.ctx.seq_rm(P)  # the block is a guess, not context: only the target's features stay in the cache
+        p_min = self.p_min
+        return draft_loop(rows[0], k, sp, rng, lambda t, i: rows[i + 1],
+                          lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.head.close()
+
+    @classmethod
+    def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "DFlashDrafter":
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        heads.require_head("dflash")
+        head = heads.HeadModel(path, n_gpu_layers=n_gpu_layers)
+        try:
+            # one decode drafts the whole block: its cost per drafted token is the head's size over k tokens
+            return cls(target, head, p_min=p_min, cost=head.size_bytes() / max(target.size_bytes(), 1))
+        except BaseException:
+            head.close()
+            raise
