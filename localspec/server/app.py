@@ -31,7 +31,7 @@ from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
-from localspec.server.grammar import constraint_for
+from localspec.server.grammar import Grammar, constraint_for
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
@@ -53,6 +53,11 @@ def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
     tmpl = eng.chat_template()
     segments = tmpl.segments(msgs, tools=tools) if tmpl is not None else plain_segments(msgs, tools=tools)
     return eng.target.tokenize_segments([(s.text, s.content) for s in segments])
+
+
+def template_text(eng) -> str | None:
+    """The chat template's source (the one given to the engine, else the target's): tools.call_format reads it."""
+    return getattr(eng, "_template_source", None) or eng.target.chat_template()
 
 
 def check_ranges(req: Common) -> None:
@@ -306,9 +311,12 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs = chat_messages(req)
+        forced = T.choice_grammar(tools, req.tool_choice, template_text(engine),  # required / a named function
+                                  parallel=req.parallel_tool_calls is not False)
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
-                              tools=names if tools is not None else None, logprobs=O.chat_logprobs)
+                              tools=names if tools is not None else None, logprobs=O.chat_logprobs,
+                              constraint=Grammar(forced, engine.target) if forced is not None else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

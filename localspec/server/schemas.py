@@ -60,6 +60,7 @@ class ChatRequest(Common):
     messages: list[ChatMessage]
     tools: Any = None  # checked by server/tools.py
     tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None  # false: a forced call (tool_choice required) is one call
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
 
