@@ -116,3 +116,34 @@ def test_each_template_format_is_decoded_and_read_back(target_path, template, fm
                 check_weather(json.loads(calls[0].arguments))
     finally:
         eng.close()
+
+
+def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to_the_schema(target_path):
+    """tool_choice auto with a marker format (Hermes): a lazy grammar, free until `<tool_call>`, then the call;
+    a rollback past the marker frees it again (speculation's look-ahead)."""
+    from localspec.llama.model import Model
+    from localspec.server import tools as T
+    from localspec.server.grammar import Lazy
+
+    g, trigger = T.auto_grammar([WEATHER], "auto", "<tool_call>")
+    assert trigger == "<tool_call>" and T.auto_grammar([WEATHER], "none", "<tool_call>") is None
+    assert T.auto_grammar([WEATHER], "auto", None) is None  # no marker to wait for: free text, as before
+    with Model(target_path, n_ctx=256) as m:
+        lazy = Lazy(g, m, trigger)
+        full = m.tokenize("the cat\n<tool_call>\n", add_special=False, parse_special=False)
+        i = next(i for i, t in enumerate(full) if m.piece(t).startswith(b"<"))
+        free, call = full[:i + 2], full[i + 2:]  # the marker split across the two consume calls
+        assert b"".join(m.piece(t) for t in free[i:]) == b"<t"
+        assert lazy.consume(free) and not lazy.active and lazy.allowed().all()
+        assert lazy.consume(call) and lazy.active
+        allowed = lazy.allowed()
+        assert 0 < allowed.sum() < len(allowed)
+        assert all(m.piece(int(t)).startswith(b"{") for t in allowed.nonzero()[0])  # the call's JSON begins
+        lazy.rollback(len(call))
+        assert not lazy.active and lazy.allowed().all()
+        assert lazy.consume(call) and lazy.active  # and again, from the same state
+        lazy.rollback(len(call) + len(free))
+        assert lazy.tokens == [] and not lazy.active
+        x = m.tokenize("<tool_call>x", add_special=False, parse_special=False)[1:]
+        assert lazy.consume(full[:i] + x[:-1]) and lazy.active
+        assert not lazy.allowed()[x[-1]]  # once the marker is written, only the call may follow

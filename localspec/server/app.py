@@ -31,7 +31,7 @@ from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
-from localspec.server.grammar import Grammar, constraint_for
+from localspec.server.grammar import Grammar, Lazy, constraint_for
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
@@ -311,12 +311,17 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs = chat_messages(req)
-        forced = T.choice_grammar(tools, req.tool_choice, template_text(engine),  # required / a named function
-                                  parallel=req.parallel_tool_calls is not False)
+        parallel = req.parallel_tool_calls is not False
+        forced = T.choice_grammar(tools, req.tool_choice, template_text(engine), parallel)  # required / named
+        con = Grammar(forced, engine.target) if forced is not None else None
+        lazy = T.auto_grammar(tools, req.tool_choice, template_text(engine), parallel) \
+            if req.response_format is None else None
+        if lazy is not None:  # auto: a call, once the model starts one, follows the tools' schemas
+            con = Lazy(lazy[0], engine.target, lazy[1])
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
                               tools=names if tools is not None else None, logprobs=O.chat_logprobs,
-                              constraint=Grammar(forced, engine.target) if forced is not None else None)
+                              constraint=con)
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -264,6 +264,34 @@ def call_format(template: str | None) -> str:
     return "json"
 
 
+def _closed(tool: dict) -> dict:
+    """A function's parameters schema with its declared properties the only ones (unless it says otherwise): an
+    argument the function does not take would fail the call anyway (JSON Schema's default allows any extra)."""
+    params = dict(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    if "properties" in params and params.get("type", "object") == "object":
+        params.setdefault("additionalProperties", False)
+    return params
+
+
+TRIGGERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL}  # formats whose calls start with a marker
+
+
+def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None,
+                 parallel: bool = True) -> tuple[str, str] | None:
+    """(grammar, trigger) for tool_choice "auto" (or none given) with tools, in a format whose calls start with a
+    marker: the model writes freely, and once it writes the marker its call follows the tools' schemas (a lazy
+    grammar, server/grammar.py Lazy). None: nothing to enforce (other formats, no tools, "none")."""
+    if tools is None or tool_choice not in (None, "auto"):
+        return None
+    trigger = TRIGGERS.get(call_format(template))
+    if trigger is None:
+        return None
+    try:
+        return choice_grammar(tools, "required", template, parallel), trigger
+    except APIError:  # a schema llguidance cannot enforce: the model's free choice, as without a grammar
+        return None
+
+
 def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True) -> str | None:
     """The llguidance grammar a tool_choice forces (None: "auto", "none" or no tools: the model chooses). "required":
     one or more calls of any of the tools (one: `parallel` False, the request's parallel_tool_calls: false);
@@ -279,8 +307,7 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
         parallel = False
     fmt = call_format(template)
     key = "parameters" if fmt == "llama3" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                               key: t["function"].get("parameters") or {"type": "object"}},
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: _closed(t)},
               "required": ["name", key], "additionalProperties": False} for t in tools]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt == "hermes":
