@@ -147,3 +147,17 @@ def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to
         x = m.tokenize("<tool_call>x", add_special=False, parse_special=False)[1:]
         assert lazy.consume(full[:i] + x[:-1]) and lazy.active
         assert not lazy.allowed()[x[-1]]  # once the marker is written, only the call may follow
+
+
+def test_a_hermes_template_through_the_server(open_api, monkeypatch):
+    """With a template that teaches Hermes calls: a forced call is written as <tool_call>...</tool_call> and read
+    back; under auto the model still answers freely (the lazy grammar waits for the marker)."""
+    import localspec.server.app as A
+
+    monkeypatch.setattr(A, "template_text", lambda eng: "... <tool_call> ...")
+    c = open_api.client(max_retries=0)
+    ch = ask(c, NAMED, "draft").choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_weather"
+    check_weather(json.loads(ch.message.tool_calls[0].function.arguments))
+    free = ask(c, "auto", "draft").choices[0]
+    assert free.finish_reason in ("stop", "length") and free.message.content
