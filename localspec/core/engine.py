@@ -19,7 +19,7 @@ import numpy as np
 from localspec.core import defaults as D
 from localspec.core.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
-from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.core.sampling import SamplingParams, bias_vector, probs, sample, token_logprobs
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
@@ -48,8 +48,14 @@ class GenConfig:
     # a grammar the output must follow (structured output): an object with allowed() -> bool array over the
     # vocabulary at its current state, consume(tokens) -> bool and rollback(n); None: free text
     constraint: Any = None
+    # logprobs: None computes none (no cost); n: each Piece carries its token's logprob and the n likeliest
+    # alternatives, from the target row that emitted it (log-softmax of the raw row after bias and grammar)
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None  # token -> added to the target's logits in every row; <= -100 bans
 
     def __post_init__(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise SettingError(f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
         if self.method not in METHODS:
             raise SettingError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}", "method")
         if self.exactness not in EXACTNESS:
@@ -74,6 +80,8 @@ class Piece:
     text: str
     token: int
     drafted: bool  # True: an accepted draft token; False: the target's own choice
+    logprob: float | None = None  # with GenConfig.logprobs: the token's logprob in the row that emitted it
+    top: list[tuple[int, float]] | None = None  # ... and the likeliest (token, logprob) there, best first
 
 
 @dataclass
@@ -444,17 +452,24 @@ class Engine:
         context = prompt  # grows; the drafters see it, the last element is pending
         finish = None
 
-        def emit(token: int, drafted: bool):
+        def emit(token: int, drafted: bool, row):
             piece, stopped = text.push(target.piece(token))
             out_tokens.append(token)
             stats.token_emitted()
-            return Piece(piece, token, drafted), stopped
+            ev = Piece(piece, token, drafted)
+            if cfg.logprobs is not None:
+                ev.logprob, ev.top = token_logprobs(row, token, cfg.logprobs)
+            return ev, stopped
 
         con = cfg.constraint
+        bias = bias_vector(cfg.logit_bias, target.n_vocab)
+        banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
 
         def constrain(row, allowed):
             return np.where(allowed[:len(row)], row, -np.inf)
 
+        if bias is not None:
+            logits = logits + bias[:len(logits)]
         if con is not None:
             logits = constrain(logits, con.allowed())
         # first token from the prompt's last row
@@ -465,7 +480,7 @@ class Engine:
         else:
             if con is not None:
                 con.consume([first])
-            ev, stopped = emit(first, False)
+            ev, stopped = emit(first, False, logits)
             context.append(first)
             yield ev
             if stopped:
@@ -485,6 +500,10 @@ class Engine:
                 td = time.perf_counter()
                 proposal = drafter.propose(context, k, sp, rng) if (drafter is not None and k > 0) else Proposal()
                 masks = None
+                if banned and any(t in banned for t in proposal.tokens):  # the biased rows would reject them
+                    cut = next(i for i, t in enumerate(proposal.tokens) if t in banned)
+                    proposal = Proposal(proposal.tokens[:cut], None if proposal.q is None else proposal.q[:cut],
+                                        proposal.catch_up_s)
                 if con is not None:  # each verify row masked by the grammar state after the drafts before it
                     proposal, masks = _grammar_masks(con, proposal)
                 tv = time.perf_counter()
@@ -493,6 +512,8 @@ class Engine:
                 batch = [context[-1], *proposal.tokens]
                 rows = target.decode(batch, "all", copy=False)  # used before the next decode
                 self._after_decode(batch, base)
+                if bias is not None:
+                    rows = rows + bias[:rows.shape[1]]
                 if masks is not None:
                     rows = np.stack([constrain(r, m) for r, m in zip(rows, masks)])
                 if sp.greedy:
@@ -523,7 +544,7 @@ class Engine:
                     stats.exactness, stats.k_cap = "lossless", cfg.k
                     stats.exactness_reason = f"{switched} (from token {stats.completion_tokens + 1})"
                 new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
-                for tok, drafted in new:
+                for i, (tok, drafted) in enumerate(new):
                     if target.is_eog(tok):
                         finish = "stop"
                         break
@@ -532,7 +553,7 @@ class Engine:
                         break
                     if con is not None:
                         con.consume([tok])
-                    ev, stopped = emit(tok, drafted)
+                    ev, stopped = emit(tok, drafted, rows[i])
                     context.append(tok)
                     yield ev
                     if stopped:

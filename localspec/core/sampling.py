@@ -77,3 +77,31 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
         raise ValueError("cannot sample from an all-zero distribution")
     i = int(np.searchsorted(c, rng.random() * total, side="right"))
     return min(i, len(p) - 1)
+
+
+def bias_vector(logit_bias: dict[int, float] | None, n_vocab: int) -> np.ndarray | None:
+    """logit_bias as a vector to add to a row of logits (None: no bias). A bias <= -100 bans the token (-inf), as
+    OpenAI's "-100 should result in a ban"; ids outside the vocabulary are ignored (the server checks them)."""
+    if not logit_bias:
+        return None
+    v = np.zeros(n_vocab, dtype=np.float32)
+    for t, b in logit_bias.items():
+        if 0 <= int(t) < n_vocab:
+            v[int(t)] = -np.inf if b <= -100 else b
+    return v
+
+
+def token_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
+    """(logprob of `token`, the n most likely (token, logprob), best first, ties by id) under log-softmax of the
+    raw row (temperature 1, as OpenAI reports them; the row is already biased and grammar-masked). Tokens the
+    row excludes (-inf) are never among the top ones."""
+    x = np.asarray(row, dtype=np.float64)
+    m = float(np.max(x))
+    lse = m + float(np.log(np.sum(np.exp(x - m))))
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        n = min(n, x.shape[-1])
+        idx = np.argpartition(-x, n - 1)[:n]
+        idx = idx[np.lexsort((idx, -x[idx]))]
+        top = [(int(i), float(x[i] - lse)) for i in idx if np.isfinite(x[i])]
+    return float(x[int(token)] - lse), top

@@ -31,12 +31,12 @@ from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
-from localspec.server.grammar import constraint_for
+from localspec.server.grammar import Grammar, Lazy, constraint_for
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
 from localspec.server.schemas import ChatRequest, Common, CompletionRequest, chat_messages, completion_prompt, \
-    parse_body, stops
+    logit_bias_of, logprobs_of, parse_body, stops
 
 
 def model_id(session) -> str:
@@ -53,6 +53,11 @@ def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
     tmpl = eng.chat_template()
     segments = tmpl.segments(msgs, tools=tools) if tmpl is not None else plain_segments(msgs, tools=tools)
     return eng.target.tokenize_segments([(s.text, s.content) for s in segments])
+
+
+def template_text(eng) -> str | None:
+    """The chat template's source (the one given to the engine, else the target's): tools.call_format reads it."""
+    return getattr(eng, "_template_source", None) or eng.target.chat_template()
 
 
 def check_ranges(req: Common) -> None:
@@ -75,6 +80,33 @@ def _config(config: ServerConfig | None, **overrides) -> ServerConfig:
     return (config or ServerConfig()).replace(**given) if given else (config or ServerConfig())
 
 
+class Logprobs:
+    """The logprobs of a response's tokens as they stream (Piece.logprob/top), formatted by `fmt` (chat's or the
+    legacy form, server/openai.py) for each chunk that carries them or for the whole answer."""
+
+    def __init__(self, target, fmt) -> None:
+        self.target, self.fmt = target, fmt
+        self.pending: list[dict] = []
+        self.offset = 0  # characters of token text so far (the legacy text_offset)
+
+    def _one(self, token: int, logprob: float) -> dict:
+        b = self.target.piece(token)
+        return {"token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": logprob}
+
+    def add(self, ev: Piece) -> None:
+        if ev.logprob is None:
+            return
+        r = self._one(ev.token, ev.logprob)
+        r["top"] = [self._one(t, lp) for t, lp in ev.top or ()]
+        r["offset"] = self.offset
+        self.offset += len(r["token"])
+        self.pending.append(r)
+
+    def take(self) -> dict:
+        out, self.pending = self.fmt(self.pending), []
+        return out
+
+
 class Generations:
     """What the routes share: the session's settings resolved once, the served name, the worker."""
 
@@ -94,7 +126,8 @@ class Generations:
             raise APIError(404, f"model {model!r} is not served here; this server serves {self.name!r}",
                            param="model", code="model_not_found")
 
-    def gen_config(self, req: Common) -> GenConfig:
+    def gen_config(self, req: Common, constraint=None) -> GenConfig:
+        """`constraint`: a grammar the answer must follow (a forced tool call) instead of response_format's."""
         self.check_model(req.model)
         check_ranges(req)
         changes: dict[str, Any] = {}
@@ -115,17 +148,22 @@ class Generations:
             self.engine.resolve_method(cfg)  # e.g. method draft without a draft model: 400 before the request queues
         except UsageError as exc:
             raise setting_error(exc) from None
-        cfg.constraint = constraint_for(req.response_format, self.engine.target)  # 400 for a schema it cannot do
+        cfg.constraint = constraint or constraint_for(req.response_format, self.engine.target)  # 400: a bad schema
+        cfg.logprobs = logprobs_of(req)
+        cfg.logit_bias = logit_bias_of(req.logit_bias, self.engine.target.n_vocab)
         if "draft_tokens" in changes and cfg.k > self.cfg.max_k:  # each new k may start an exactness probe
             raise APIError(400, f"localspec.k must be <= {self.cfg.max_k} on this server, got {cfg.k}",
                            param="localspec.k")
         return cfg
 
     async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
-                  stream=None):
+                  stream=None, logprobs=None, constraint=None):
         """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
-        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'."""
-        cfg = self.gen_config(req)
+        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'.
+        `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
+        `constraint`: the grammar of a forced tool call (server/tools.py)."""
+        cfg = self.gen_config(req, constraint)
+        lp = Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
         job = Job(build, cfg, asyncio.get_running_loop(), asyncio.Queue())
         self.worker.submit(job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -146,6 +184,8 @@ class Generations:
                 while not isinstance(ev, Finished):
                     if isinstance(ev, APIError):
                         return ev.response()
+                    if lp is not None and isinstance(ev, Piece):
+                        lp.add(ev)
                     ev = await next_event(request, job)
             except ClientGone:
                 return JSONResponse(error_body("client disconnected"), status_code=499)
@@ -153,18 +193,25 @@ class Generations:
                 job.cancel.set()
                 raise
             body = whole(cid, now, ev, cfg)
+            if lp is not None:
+                body["choices"][0]["logprobs"] = lp.take()
             if tools is not None:
                 T.answer_calls(body, ev, tools)
             return JSONResponse(body)
         splitter = T.ToolStream(tools) if tools is not None else None
         body = (stream(job, first, cfg, cid, now) if stream is not None
-                else self.events(job, first, cfg, cid, now, chunk, include_usage, splitter))
+                else self.events(job, first, cfg, cid, now, chunk, include_usage, splitter, lp))
         return StreamingResponse(body,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
-                     splitter: T.ToolStream | None = None):
+                     splitter: T.ToolStream | None = None, lp: Logprobs | None = None):
+        def with_logprobs(c: dict) -> dict:  # a chunk carries the logprobs of the tokens since the last one
+            if lp is not None and lp.pending:
+                c["choices"][0]["logprobs"] = lp.take()
+            return c
+
         try:
             yield sse(chunk(cid, now, None, None))  # the opening chunk (chat: the assistant role)
             while True:
@@ -172,21 +219,23 @@ class Generations:
                     yield sse(ev.body())
                     break
                 if isinstance(ev, Piece):
+                    if lp is not None:
+                        lp.add(ev)
                     text = ev.text if splitter is None else splitter.feed(ev.text)
                     if text:
-                        yield sse(chunk(cid, now, text, None))
+                        yield sse(with_logprobs(chunk(cid, now, text, None)))
                 elif isinstance(ev, Finished):
                     finish = ev.finish_reason
                     if splitter is not None:  # the held-back text: content, or the tool calls (arguments in deltas)
                         rest, calls = splitter.end()
                         if rest:
-                            yield sse(chunk(cid, now, rest, None))
+                            yield sse(with_logprobs(chunk(cid, now, rest, None)))
                         for i, call in enumerate(calls):
                             for delta in T.call_deltas(call, i):
                                 yield sse(O.chat_delta(self.name, cid, now, delta))
                         if calls and finish != "cancelled":
                             finish = "tool_calls"
-                    last = chunk(cid, now, None, finish)
+                    last = with_logprobs(chunk(cid, now, None, finish))  # (tokens whose text was held back)
                     last["localspec"] = localspec_stats(ev.stats, cfg)
                     yield sse(last)
                     if include_usage:
@@ -262,16 +311,25 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs = chat_messages(req)
+        parallel = req.parallel_tool_calls is not False
+        forced = T.choice_grammar(tools, req.tool_choice, template_text(engine), parallel)  # required / named
+        con = Grammar(forced, engine.target) if forced is not None else None
+        lazy = T.auto_grammar(tools, req.tool_choice, template_text(engine), parallel) \
+            if req.response_format is None else None
+        if lazy is not None:  # auto: a call, once the model starts one, follows the tools' schemas
+            con = Lazy(lazy[0], engine.target, lazy[1])
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
-                              tools=names if tools is not None else None)
+                              tools=names if tools is not None else None, logprobs=O.chat_logprobs,
+                              constraint=con)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await parse_body(request, CompletionRequest)
         prompt = completion_prompt(req)
         return await gens.run(request, req, lambda eng: eng.raw_prompt(prompt),
-                              lambda *a: O.completion_chunk(name, *a), lambda *a: O.completion_whole(name, *a))
+                              lambda *a: O.completion_chunk(name, *a), lambda *a: O.completion_whole(name, *a),
+                              logprobs=O.completion_logprobs)
 
     @app.post("/v1/responses")
     async def responses(request: Request):

@@ -163,3 +163,61 @@ def constraint_for(response_format, model) -> Grammar | None:
     g = grammar_of(response_format)
     return Grammar(g, model) if g is not None else None
 
+
+
+class Lazy:
+    """A constraint that lets the model write anything until its answer reaches `trigger` (from a token boundary),
+    then holds the rest to `grammar`, which starts with the trigger: a tool call under tool_choice "auto" (the
+    model chooses whether to call; once it does, the call follows the tool's schema). Rolls back like Grammar,
+    also to before the trigger."""
+
+    def __init__(self, grammar: str, model, trigger: str) -> None:
+        self.inner = Grammar(grammar, model)
+        self.model = model
+        self.trigger = trigger.encode()
+        self.tokens: list[int] = []
+        self.start: int | None = None  # where the grammar took over (the trigger's first token)
+        self.done = 0  # tokens consumed when the trigger completed: a rollback below it frees the answer again
+        self.cands: list[list[int]] = [[]]  # per consumed token: starts whose text so far begins the trigger
+        self._all = np.ones(model.n_vocab, dtype=bool)
+
+    @property
+    def active(self) -> bool:
+        return self.start is not None
+
+    def allowed(self) -> np.ndarray:
+        return self.inner.allowed() if self.start is not None else self._all
+
+    def consume(self, tokens) -> bool:
+        for t in (int(x) for x in tokens):
+            self.tokens.append(t)
+            if self.start is not None:
+                if not self.inner.consume([t]):
+                    return False
+                self.cands.append([])
+                continue
+            keep = []
+            for c in [*self.cands[-1], len(self.tokens) - 1]:
+                text = b"".join(self.model.piece(x) for x in self.tokens[c:])
+                if text.startswith(self.trigger):
+                    if self.inner.consume(self.tokens[c:]):
+                        self.start, self.done = c, len(self.tokens)
+                        break
+                    self.inner.matcher = None  # what follows the trigger is no call: stay free (a fresh matcher)
+                elif self.trigger.startswith(text) and text:
+                    keep.append(c)
+            self.cands.append([] if self.start is not None else keep)
+        return True
+
+    def rollback(self, n: int) -> bool:
+        if n <= 0:
+            return True
+        keep = len(self.tokens) - n
+        if self.start is not None:
+            if keep < self.done:  # back to before the trigger was complete
+                self.inner.matcher, self.start = None, None
+            else:
+                self.inner.rollback(n)
+        del self.tokens[keep:]
+        del self.cands[keep + 1:]
+        return True

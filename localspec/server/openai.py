@@ -114,3 +114,21 @@ def completion_whole(name: str, cid: str, now: int, fin, cfg) -> dict:
             "system_fingerprint": None,
             "choices": [{"index": 0, "text": fin.text, "logprobs": None, "finish_reason": fin.finish_reason}],
             "usage": usage(fin.stats), "localspec": localspec_stats(fin.stats, cfg)}
+
+
+# ----------------------------------------------------------------- logprobs (records: app.Generations.record)
+def _top_entry(r: dict) -> dict:
+    return {"token": r["token"], "logprob": r["logprob"], "bytes": r["bytes"]}
+
+
+def chat_logprobs(records: list[dict]) -> dict:
+    """choices[i].logprobs of a chat answer (or chunk): one entry per token with its top alternatives."""
+    return {"content": [{**_top_entry(r), "top_logprobs": [_top_entry(a) for a in r["top"]]} for r in records],
+            "refusal": None}
+
+
+def completion_logprobs(records: list[dict]) -> dict:
+    """choices[i].logprobs of a legacy completion: parallel lists, text_offset counted in characters."""
+    return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in r["top"]} for r in records],
+            "text_offset": [r["offset"] for r in records]}

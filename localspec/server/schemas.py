@@ -46,6 +46,7 @@ class Common(_Body):
     presence_penalty: Optional[float] = None  # range-checked as OpenAI does; not applied
     frequency_penalty: Optional[float] = None
     response_format: Any = None  # structured output: server/grammar.py
+    logit_bias: Any = None  # {token id as a string: -100..100}: logit_bias_of
 
 
 class ChatMessage(_Body):
@@ -59,10 +60,14 @@ class ChatRequest(Common):
     messages: list[ChatMessage]
     tools: Any = None  # checked by server/tools.py
     tool_choice: Any = None
+    parallel_tool_calls: Optional[bool] = None  # false: a forced call (tool_choice required) is one call
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
 
 
 class CompletionRequest(Common):
     prompt: Any  # str or a list of one str
+    logprobs: Optional[int] = None  # the legacy form: the number of alternatives (0..5)
 
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -102,6 +107,52 @@ def chat_messages(req: ChatRequest) -> list[dict]:
             if isinstance(getattr(m, "name", None), str):
                 msg["name"] = m.name
         out.append(msg)
+    return out
+
+
+MAX_TOP_LOGPROBS = 20  # chat's top_logprobs, as OpenAI
+MAX_LEGACY_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI
+
+
+def logprobs_of(req) -> int | None:
+    """GenConfig.logprobs of a request: None (none asked for) or how many alternatives per token. Chat:
+    `logprobs: true` with `top_logprobs` 0..20; legacy completions: `logprobs` 0..5."""
+    if isinstance(req, ChatRequest):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        n = req.top_logprobs or 0
+        if not 0 <= n <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {n}",
+                           param="top_logprobs")
+        return n if req.logprobs else None
+    if isinstance(req, CompletionRequest) and req.logprobs is not None:
+        if not 0 <= req.logprobs <= MAX_LEGACY_LOGPROBS:
+            raise APIError(400, f"logprobs must be between 0 and {MAX_LEGACY_LOGPROBS}, got {req.logprobs}",
+                           param="logprobs")
+        return req.logprobs
+    return None
+
+
+def logit_bias_of(value: Any, n_vocab: int) -> dict[int, float] | None:
+    """GenConfig.logit_bias of a request's `logit_bias` ({"token id": bias}; ids of the served target's
+    vocabulary, biases -100..100, -100 a ban). 400 naming the bad key or value."""
+    if value is None or value == {}:
+        return None
+    if not isinstance(value, dict):
+        raise APIError(400, "logit_bias must be an object mapping token ids to biases", param="logit_bias")
+    out = {}
+    for key, bias in value.items():
+        try:
+            t = int(key)
+        except (TypeError, ValueError):
+            t = -1
+        if not (isinstance(key, str) and key.strip().lstrip("-").isdigit()) or not 0 <= t < n_vocab:
+            raise APIError(400, f"logit_bias: {key!r} is not a token id of this model (0 to {n_vocab - 1})",
+                           param="logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias[{key!r}] must be a number between -100 and 100, got {bias!r}",
+                           param="logit_bias")
+        out[t] = float(bias)
     return out
 
 

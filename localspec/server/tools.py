@@ -7,6 +7,10 @@ and Mistral `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (and the newe
 Anything that does not parse as calls of the request's tools stays text: the answer is then plain content, never
 an error.
 
+`tool_choice` "required" or a named function: the answer is decoded under a grammar (llguidance, as structured
+output; `choice_grammar`): one or more calls of the allowed tools in the format the chat template uses, each call's
+arguments following its function's JSON schema.
+
 Streaming (`ToolStream`): text is passed on until a tool-call start could be beginning; from there it is held back
 and, at the end, sent as `tool_calls` deltas (or as content when it was not a call after all).
 """
@@ -243,3 +247,85 @@ def call_deltas(call: ToolCall, index: int) -> list[dict]:
     return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
                              "function": {"name": call.name, "arguments": ""}}]},
             {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+
+
+# ------------------------------------------------------------------ forced calls (tool_choice required / named)
+def call_format(template: str | None) -> str:
+    """The call format a chat template teaches the model: hermes (Qwen, Hermes: <tool_call>...</tool_call>),
+    mistral ([TOOL_CALLS][...]), llama3 (a bare {"name", "parameters"} object), or json (no known markup: a bare
+    {"name", "arguments"} object, which parse() reads as well)."""
+    t = template or ""
+    if HERMES_OPEN in t:
+        return "hermes"
+    if MISTRAL in t:
+        return "mistral"
+    if PYTHON_TAG in t or "<|start_header_id|>" in t:
+        return "llama3"
+    return "json"
+
+
+def _closed(tool: dict) -> dict:
+    """A function's parameters schema with its declared properties the only ones (unless it says otherwise): an
+    argument the function does not take would fail the call anyway (JSON Schema's default allows any extra)."""
+    params = dict(tool["function"].get("parameters") or {"type": "object", "properties": {}})
+    if "properties" in params and params.get("type", "object") == "object":
+        params.setdefault("additionalProperties", False)
+    return params
+
+
+TRIGGERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL}  # formats whose calls start with a marker
+
+
+def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None,
+                 parallel: bool = True) -> tuple[str, str] | None:
+    """(grammar, trigger) for tool_choice "auto" (or none given) with tools, in a format whose calls start with a
+    marker: the model writes freely, and once it writes the marker its call follows the tools' schemas (a lazy
+    grammar, server/grammar.py Lazy). None: nothing to enforce (other formats, no tools, "none")."""
+    if tools is None or tool_choice not in (None, "auto"):
+        return None
+    trigger = TRIGGERS.get(call_format(template))
+    if trigger is None:
+        return None
+    try:
+        return choice_grammar(tools, "required", template, parallel), trigger
+    except APIError:  # a schema llguidance cannot enforce: the model's free choice, as without a grammar
+        return None
+
+
+def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True) -> str | None:
+    """The llguidance grammar a tool_choice forces (None: "auto", "none" or no tools: the model chooses). "required":
+    one or more calls of any of the tools (one: `parallel` False, the request's parallel_tool_calls: false);
+    {"function": {"name": N}}: one call of N. 400 (param tools) for a function schema llguidance cannot compile."""
+    if tools is None or not (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return None
+    import llguidance
+
+    from localspec.server.grammar import JSON_STYLE
+
+    if isinstance(tool_choice, dict):
+        tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+        parallel = False
+    fmt = call_format(template)
+    key = "parameters" if fmt == "llama3" else "arguments"
+    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: _closed(t)},
+              "required": ["name", key], "additionalProperties": False} for t in tools]
+    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if fmt == "hermes":
+        more = ' ("\\n" call)*' if parallel else ""
+        lark = (f'start: call{more}\ncall: "{HERMES_OPEN}\\n" %json '
+                f'{json.dumps({**one, "x-guidance": JSON_STYLE})} "\\n{HERMES_CLOSE}"')
+    elif fmt == "mistral":
+        many = {"type": "array", "items": one, "minItems": 1, **({} if parallel else {"maxItems": 1})}
+        lark = f'start: "{MISTRAL}" %json {json.dumps({**many, "x-guidance": JSON_STYLE})}'
+    else:
+        lark = f'start: %json {json.dumps({**one, "x-guidance": JSON_STYLE})}'
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except ValueError as exc:
+        is_err, messages = True, [exc]
+    if is_err:
+        msg = " ".join(str(messages[0]).split()) if messages else "not supported"
+        raise APIError(400, f"tools: a function's parameters cannot be enforced for tool_choice: {msg}",
+                       param="tools", code="unsupported_schema")
+    return grammar

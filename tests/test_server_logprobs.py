@@ -1,0 +1,172 @@
+"""logprobs / top_logprobs and logit_bias (issue #23 item 5): each emitted token's logprob comes from the target
+row that emitted it (after bias and grammar), so at temperature 0 they are the same with every method as with
+plain decoding; a banned token never appears, and speculation under a bias gives plain decoding's output."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS
+from localspec.core.engine import Engine, GenConfig, Piece
+
+N = 24
+
+
+@pytest.fixture(scope="module")
+def engine(target_path):
+    e = Engine.load(target_path, target_path, n_ctx=1024)  # the target as its own draft: drafts get accepted
+    yield e
+    e.close()
+
+
+def pieces(engine, prompt, **kw):
+    cfg = GenConfig(max_tokens=N, **kw)
+    engine.target.clear()  # each run decodes the prompt the same way (a reused cache re-decodes its last token)
+    return [ev for ev in engine.generate(engine.raw_prompt(prompt), cfg) if isinstance(ev, Piece) and ev.token >= 0]
+
+
+# A verify row equals the one-token decode of its position only up to llama.cpp's float order: on CPU the KV view
+# a decode attends over is padded differently when rows arrive in batches, which moves logits by up to ~5e-3 on the
+# tiny F16 model (also at exactness bit, whose probe compares batch shapes on one cache layout). Log-softmax moves
+# by at most twice that, so the logprobs are compared within 1e-2 and the tokens exactly.
+TOL = 1e-2
+
+
+@pytest.mark.parametrize("exactness", ["bit", "lossless"])
+def test_logprobs_equal_plain_decodings_at_temperature_0_with_every_method(engine, exactness):
+    for prompt in PROMPTS[:2]:
+        plain = pieces(engine, prompt, method="none", logprobs=5)
+        assert len(plain) == N
+        for method in ("lookup", "draft"):
+            got = pieces(engine, prompt, method=method, k=4, logprobs=5, exactness=exactness)
+            assert [p.token for p in got] == [p.token for p in plain]
+            if method == "draft":
+                assert any(p.drafted for p in got)  # accepted drafts carry their own verify row's logprob
+            for a, b in zip(got, plain):
+                assert a.logprob == pytest.approx(b.logprob, abs=TOL)
+                assert [t for t, _ in a.top] == [t for t, _ in b.top]
+                assert [x for _, x in a.top] == pytest.approx([x for _, x in b.top], abs=TOL)
+    # the logprobs are really the rows': the same run twice gives the same numbers exactly
+    assert pieces(engine, PROMPTS[0], method="draft", k=4, logprobs=5, exactness=exactness) == \
+        pieces(engine, PROMPTS[0], method="draft", k=4, logprobs=5, exactness=exactness)
+
+
+def test_logprobs_sum_sensibly(engine):
+    got = pieces(engine, PROMPTS[0], method="draft", k=4, logprobs=20)
+    for p in got:
+        assert p.logprob <= 0 and len(p.top) == 20
+        assert p.top[0] == (p.token, p.logprob)  # greedy: the emitted token is the likeliest one
+        lps = [x for _, x in p.top]
+        assert lps == sorted(lps, reverse=True)
+        assert 0 < sum(math.exp(x) for x in lps) <= 1 + 1e-9
+    # the whole distribution of a row sums to 1
+    from localspec.core.sampling import token_logprobs
+
+    row = np.random.default_rng(0).normal(size=50).astype(np.float32)
+    _, top = token_logprobs(row, 3, 50)
+    assert sum(math.exp(x) for _, x in top) == pytest.approx(1.0)
+
+
+def test_no_logprobs_unless_asked(engine):
+    assert all(p.logprob is None and p.top is None for p in pieces(engine, PROMPTS[0], method="draft", k=4))
+
+
+def test_a_banned_token_never_appears_and_speculation_keeps_plain_output(engine):
+    prompt = PROMPTS[0]
+    plain = [p.token for p in pieces(engine, prompt, method="none")]
+    ban = plain[len(plain) // 2]  # a token plain decoding emits
+    bias = {ban: -100, plain[1]: 5.0}
+    biased = {m: [p.token for p in pieces(engine, prompt, method=m, k=4, logit_bias=bias, logprobs=2)]
+              for m in ("none", "lookup", "draft")}
+    assert ban not in biased["none"] and biased["none"] != plain
+    assert biased["lookup"] == biased["none"] == biased["draft"]
+    # the logprobs are those of the biased row: the banned token is never among the alternatives
+    got = pieces(engine, prompt, method="lookup", k=4, logit_bias=bias, logprobs=20)
+    assert all(ban not in [t for t, _ in p.top] for p in got)
+
+
+# ----------------------------------------------------------------- through the server (chat and legacy)
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
+
+MSG = [{"role": "user", "content": "the cat and the dog"}]
+
+
+def chat(c, method="draft", **kw):
+    return c.chat.completions.create(model="x", messages=MSG, max_tokens=12, temperature=0,
+                                     extra_body={"localspec": {"method": method}}, **kw)
+
+
+def test_chat_logprobs_whole_and_streamed(open_api):
+    c = open_api.client(max_retries=0)
+    plain = chat(c, "none", logprobs=True, top_logprobs=3).choices[0]
+    got = chat(c, "draft", logprobs=True, top_logprobs=3).choices[0]
+    assert got.message.content == plain.message.content
+    a, b = got.logprobs.content, plain.logprobs.content
+    assert len(a) == len(b) == 12
+    for x, y in zip(a, b):
+        assert x.token == y.token and bytes(x.bytes).decode("utf-8", "replace") == x.token
+        assert x.logprob == pytest.approx(y.logprob, abs=TOL) and len(x.top_logprobs) == 3
+        assert x.top_logprobs[0].token == x.token and x.top_logprobs[0].logprob == x.logprob
+    streamed = []
+    for ch in chat(c, "draft", logprobs=True, top_logprobs=3, stream=True):
+        if ch.choices and ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.content
+    assert [(x.token, x.logprob) for x in streamed] == [(x.token, x.logprob) for x in a]
+    assert chat(c).choices[0].logprobs is None  # not asked: none
+    assert chat(c, logprobs=True).choices[0].logprobs.content[0].top_logprobs == []
+
+
+def test_legacy_completion_logprobs(open_api):
+    c = open_api.client(max_retries=0)
+    r = c.completions.create(model="x", prompt="the cat and the dog", max_tokens=10, temperature=0, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 10
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(10)]
+    for tok, x, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert x <= 0 and 1 <= len(top) <= 2 and all(v <= 0 for v in top.values())
+        if len(top) == 2:  # (keys are token texts: byte tokens that decode alike share one, as in OpenAI's form)
+            assert max(top.values()) == pytest.approx(x)
+    streamed = []
+    for ch in c.completions.create(model="x", prompt="the cat and the dog", max_tokens=10, temperature=0,
+                                   logprobs=2, stream=True):
+        if ch.choices[0].logprobs is not None:
+            streamed += ch.choices[0].logprobs.token_logprobs
+    assert streamed == lp.token_logprobs
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("/v1/completions", {"logprobs": 6}, "logprobs"),
+    ("/v1/chat/completions", {"logit_bias": {"abc": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": "x"}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"logit_bias": [1, 2]}, "logit_bias"),
+])
+def test_bad_logprobs_and_logit_bias_are_400s(open_api, path, body, param):
+    base = {"messages": MSG} if "chat" in path else {"prompt": "hi"}
+    status, _, err = post(open_api, path, {**base, "max_tokens": 2, **body})
+    assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_logit_bias_bans_a_token_and_speculation_keeps_plain_output(open_api):
+    c = open_api.client(max_retries=0)
+    target = open_api.session.engine.target
+    ids: dict[bytes, list[int]] = {}
+    for t in range(target.n_vocab):
+        ids.setdefault(target.piece(t), []).append(t)
+    plain = chat(c, "none", logprobs=True).choices[0].logprobs.content
+    tok = next(x for x in plain[1:] if len(ids[bytes(x.bytes)]) == 1)  # a token plain decoding emits
+    ban = {str(ids[bytes(tok.bytes)][0]): -100}
+    outs = {m: chat(c, m, logprobs=True, logit_bias=ban).choices[0] for m in ("none", "lookup", "draft")}
+    assert all(bytes(x.bytes) != bytes(tok.bytes) for x in outs["none"].logprobs.content)
+    assert outs["none"].message.content != chat(c, "none").choices[0].message.content
+    assert outs["none"].message.content == outs["lookup"].message.content == outs["draft"].message.content

@@ -1,0 +1,163 @@
+"""tool_choice "required" / a named function decoded under a grammar (issue #23): the answer is a call of the
+allowed tool(s) in the chat template's own format, its arguments following the function's JSON schema, with
+speculation kept on (the same answer with method none and draft at temperature 0)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")
+
+from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["utc", "local"]}}, "required": ["zone"],
+    "additionalProperties": False}}}
+MSG = [{"role": "user", "content": "the cat and the dog"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def check_weather(args: dict):
+    assert set(args) == {"city", "days"} and isinstance(args["city"], str) and len(args["city"]) <= 8
+    assert isinstance(args["days"], int) and 1 <= args["days"] <= 7
+
+
+def ask(c, tool_choice, method="draft", **kw):
+    return c.chat.completions.create(model="x", messages=MSG, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
+                                     max_tokens=120, temperature=0, extra_body={"localspec": {"method": method}},
+                                     **kw)
+
+
+def test_a_named_function_is_called_with_schema_arguments_and_speculation_kept(open_api):
+    c = open_api.client(max_retries=0)
+    answers = {}
+    for method in ("none", "draft"):
+        r = ask(c, NAMED, method)
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls", ch
+        (call,) = ch.message.tool_calls
+        assert call.function.name == "get_weather"
+        check_weather(json.loads(call.function.arguments))
+        answers[method] = call.function.arguments
+        if method == "draft":
+            assert r.model_extra["localspec"]["drafted"] > 0
+    assert answers["none"] == answers["draft"]
+    # without the grammar this model writes no call at all
+    free = ask(c, "auto", "none").choices[0]
+    assert free.message.tool_calls is None and free.finish_reason != "tool_calls"
+
+
+def test_required_calls_one_of_the_tools(open_api):
+    c = open_api.client(max_retries=0)
+    ch = ask(c, "required").choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+    for call in ch.message.tool_calls:
+        args = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            check_weather(args)
+        else:
+            assert call.function.name == "get_time" and args in ({"zone": "utc"}, {"zone": "local"})
+
+
+def test_a_streamed_forced_call_reassembles_to_the_whole_answers(open_api):
+    c = open_api.client(max_retries=0)
+    whole = ask(c, NAMED).choices[0].message.tool_calls[0].function
+    name, args, finish = None, "", None
+    for ch in ask(c, NAMED, stream=True):
+        if not ch.choices:
+            continue
+        for d in ch.choices[0].delta.tool_calls or ():
+            name = d.function.name or name
+            args += d.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    assert (name, args, finish) == (whole.name, whole.arguments, "tool_calls")
+
+
+def test_parameters_llguidance_cannot_enforce_are_a_400_naming_tools(open_api):
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}
+    status, _, err = post(open_api, "/v1/chat/completions", {"messages": MSG, "tools": [bad], "max_tokens": 2,
+                                                             "tool_choice": "required"})
+    assert status == 400 and err["error"]["param"] == "tools", err
+
+
+@pytest.mark.parametrize("template,fmt", [("... <tool_call> ...", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                                          ("<|start_header_id|>", "llama3"), (None, "json")])
+def test_each_template_format_is_decoded_and_read_back(target_path, template, fmt):
+    """The grammar for each format, run on the tiny model: what it writes is read back as the call by parse()."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.server import tools as T
+    from localspec.server.grammar import Grammar
+
+    assert T.call_format(template) == fmt
+    eng = Engine.load(target_path, n_ctx=512)
+    try:
+        for choice in (NAMED, "required"):
+            g = T.choice_grammar([WEATHER, CLOCK], choice, template, parallel=fmt == "hermes")
+            fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=150,
+                                                                    constraint=Grammar(g, eng.target)))
+            assert fin.finish_reason == "stop", fin.text
+            if fmt == "hermes":
+                assert fin.text.startswith("<tool_call>\n{") and fin.text.endswith("}\n</tool_call>")
+            content, calls = T.parse(fin.text, {"get_weather", "get_time"})
+            assert calls and content == "", fin.text
+            if choice is NAMED or fmt != "hermes":
+                assert len(calls) == 1
+            if choice is NAMED:
+                assert [c.name for c in calls] == ["get_weather"]
+                check_weather(json.loads(calls[0].arguments))
+    finally:
+        eng.close()
+
+
+def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to_the_schema(target_path):
+    """tool_choice auto with a marker format (Hermes): a lazy grammar, free until `<tool_call>`, then the call;
+    a rollback past the marker frees it again (speculation's look-ahead)."""
+    from localspec.llama.model import Model
+    from localspec.server import tools as T
+    from localspec.server.grammar import Lazy
+
+    g, trigger = T.auto_grammar([WEATHER], "auto", "<tool_call>")
+    assert trigger == "<tool_call>" and T.auto_grammar([WEATHER], "none", "<tool_call>") is None
+    assert T.auto_grammar([WEATHER], "auto", None) is None  # no marker to wait for: free text, as before
+    with Model(target_path, n_ctx=256) as m:
+        lazy = Lazy(g, m, trigger)
+        full = m.tokenize("the cat\n<tool_call>\n", add_special=False, parse_special=False)
+        i = next(i for i, t in enumerate(full) if m.piece(t).startswith(b"<"))
+        free, call = full[:i + 2], full[i + 2:]  # the marker split across the two consume calls
+        assert b"".join(m.piece(t) for t in free[i:]) == b"<t"
+        assert lazy.consume(free) and not lazy.active and lazy.allowed().all()
+        assert lazy.consume(call) and lazy.active
+        allowed = lazy.allowed()
+        assert 0 < allowed.sum() < len(allowed)
+        assert all(m.piece(int(t)).startswith(b"{") for t in allowed.nonzero()[0])  # the call's JSON begins
+        lazy.rollback(len(call))
+        assert not lazy.active and lazy.allowed().all()
+        assert lazy.consume(call) and lazy.active  # and again, from the same state
+        lazy.rollback(len(call) + len(free))
+        assert lazy.tokens == [] and not lazy.active
+        x = m.tokenize("<tool_call>x", add_special=False, parse_special=False)[1:]
+        assert lazy.consume(full[:i] + x[:-1]) and lazy.active
+        assert not lazy.allowed()[x[-1]]  # once the marker is written, only the call may follow
+
+
+def test_a_hermes_template_through_the_server(open_api, monkeypatch):
+    """With a template that teaches Hermes calls: a forced call is written as <tool_call>...</tool_call> and read
+    back; under auto the model still answers freely (the lazy grammar waits for the marker)."""
+    import localspec.server.app as A
+
+    monkeypatch.setattr(A, "template_text", lambda eng: "... <tool_call> ...")
+    c = open_api.client(max_retries=0)
+    ch = ask(c, NAMED, "draft").choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls[0].function.name == "get_weather"
+    check_weather(json.loads(ch.message.tool_calls[0].function.arguments))
+    free = ask(c, "auto", "draft").choices[0]
+    assert free.finish_reason in ("stop", "length") and free.message.content
