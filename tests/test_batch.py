@@ -163,6 +163,10 @@ def test_what_takes_the_single_sequence_path(engine, batch):
     c = cfg_for("none")
     c.constraint = object()
     assert "grammar" in batch.single_reason(c)
+    # logprobs and logit_bias are computed in the single-sequence Engine's rows only: a batched request with them
+    # would get no logprobs and unbiased output
+    assert "logprobs" in batch.single_reason(cfg_for("lookup", logprobs=2))
+    assert "logit_bias" in batch.single_reason(cfg_for("lookup", logit_bias={5: -100.0}))
     with pytest.raises(UsageError):
         batch.add(engine.raw_prompt(PROMPTS[0]), cfg_for("draft"))
 

@@ -49,7 +49,7 @@ from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PROBE_TEXT = "The quick brown fox jumps over the lazy dog"
-SINGLE_METHODS = ("draft", "eagle3", "mtp")  # methods that need the single-sequence Engine
+SINGLE_METHODS = ("draft", "eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
 
 
 class _Run:
@@ -110,6 +110,8 @@ class BatchEngine:
         """Why `cfg` takes the single-sequence Engine instead of a slot ('' when it can be batched)."""
         if cfg.constraint is not None:
             return "structured output (a grammar) runs on the single-sequence path"
+        if cfg.logprobs is not None or cfg.logit_bias:
+            return "logprobs and logit_bias run on the single-sequence path"
         method = self.engine.resolve_method(cfg)
         if method in SINGLE_METHODS and cfg.k > 0:
             return f"method {method} runs on the single-sequence path (batches speculate with prompt lookup)"
