@@ -103,3 +103,28 @@ def draft_loop(row: np.ndarray, k: int, sp: SamplingParams, rng: np.random.Gener
         if i < k - 1:
             row = next_row(t, i)
     return Proposal(tokens, np.stack(qs) if qs else None)
+
+
+class HeadFileDrafter(Drafter):
+    """A draft head in its own GGUF that runs on the target's hidden states (EAGLE-3, DFlash): `head` is the loaded
+    file (llama.heads.HeadModel), `ctx` its context. Subclasses take (target, head, p_min=, cost=)."""
+
+    head_kind: str = ""
+    head = None
+    ctx = None
+
+    def close(self) -> None:
+        self.ctx.close()
+        self.head.close()
+
+    @classmethod
+    def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0):
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        heads.require_head(cls.head_kind)
+        head = heads.HeadModel(path, n_gpu_layers=n_gpu_layers)
+        try:
+            # its cost per drafted token until measured: the head's size over the target's (memory-bound decoding)
+            return cls(target, head, p_min=p_min, cost=head.size_bytes() / max(target.size_bytes(), 1))
+        except BaseException:
+            head.close()
+            raise

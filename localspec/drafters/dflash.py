@@ -22,12 +22,13 @@ from typing import Sequence
 import numpy as np
 
 from localspec.core.sampling import SamplingParams
-from localspec.drafters.base import Drafter, Offer, Proposal, draft_loop
+from localspec.drafters.base import HeadFileDrafter, Offer, Proposal, draft_loop
 from localspec.drafters.eagle3 import top10_p
 from localspec.errors import IncompatibleDraftError
 
 
-class DFlashDrafter(Drafter):
+class DFlashDrafter(HeadFileDrafter):
+    head_kind = "dflash"
     name = "dflash"
     prior_alpha = 0.5
 
@@ -126,19 +127,3 @@ class DFlashDrafter(Drafter):
         p_min = self.p_min
         return draft_loop(rows[0], k, sp, rng, lambda t, i: rows[i + 1],
                           lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
-
-    def close(self) -> None:
-        self.ctx.close()
-        self.head.close()
-
-    @classmethod
-    def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "DFlashDrafter":
-        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
-        heads.require_head("dflash")
-        head = heads.HeadModel(path, n_gpu_layers=n_gpu_layers)
-        try:
-            # one decode drafts the whole block: its cost per drafted token is the head's size over k tokens
-            return cls(target, head, p_min=p_min, cost=head.size_bytes() / max(target.size_bytes(), 1))
-        except BaseException:
-            head.close()
-            raise

@@ -21,7 +21,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.core.sampling import SamplingParams
-from localspec.drafters.base import Drafter, Proposal, draft_loop
+from localspec.drafters.base import HeadFileDrafter, Proposal, draft_loop
 from localspec.errors import IncompatibleDraftError
 
 
@@ -33,7 +33,8 @@ def top10_p(row: np.ndarray) -> float:
     return 1.0 / float(np.exp(top - m).sum())
 
 
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(HeadFileDrafter):
+    head_kind = "eagle3"
     name = "eagle3"
     prior_alpha = 0.6
 
@@ -135,19 +136,3 @@ class Eagle3Drafter(Drafter):
 
         return draft_loop(self.ctx.logits(0), k, sp, rng, next_row,
                           lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
-
-    def close(self) -> None:
-        self.ctx.close()
-        self.head.close()
-
-    @classmethod
-    def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0) -> "Eagle3Drafter":
-        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
-        heads.require_head("eagle3")
-        head = heads.HeadModel(path, n_gpu_layers=n_gpu_layers)
-        try:
-            return cls(target, head, p_min=p_min, cost=head.size_bytes() / max(target.size_bytes(), 1))
-        except BaseException:
-            head.close()
-            raise
-
