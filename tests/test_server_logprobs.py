@@ -88,6 +88,23 @@ def test_a_banned_token_never_appears_and_speculation_keeps_plain_output(engine)
     assert all(ban not in [t for t, _ in p.top] for p in got)
 
 
+def test_logit_bias_reaches_the_draft_models_rows_too(engine):
+    """Issue 23: logit_bias applies to "the target's logits in every verify row and the drafter's". With the target
+    as its own draft, a biased target and an unbiased draft disagree wherever the bias changes the choice, so drafts
+    were rejected there; with the bias on the draft's rows too, the draft is the biased target and every draft is
+    accepted (and the output stays that of plain decoding under the bias)."""
+    prompt = PROMPTS[0]
+    plain = [p.token for p in pieces(engine, prompt, method="none")]
+    bias = {plain[3]: 25.0}
+    cfg = GenConfig(max_tokens=N, method="draft", k=4, logit_bias=bias, p_min=0.0)
+    engine.target.clear()
+    events = list(engine.generate(engine.raw_prompt(prompt), cfg))
+    fin = events[-1]
+    assert fin.tokens == [p.token for p in pieces(engine, prompt, method="none", logit_bias=bias)]
+    assert fin.tokens != plain  # the bias changes the answer
+    assert fin.stats.drafted > 0 and fin.stats.accepted == fin.stats.drafted
+
+
 # ----------------------------------------------------------------- through the server (chat and legacy)
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")

@@ -7,6 +7,7 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -464,6 +465,7 @@ class Engine:
         con = cfg.constraint
         bias = bias_vector(cfg.logit_bias, target.n_vocab)
         banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
+        sp_draft = sp if bias is None else dataclasses.replace(sp, bias=bias)  # the drafters' rows get the bias too
 
         def constrain(row, allowed):
             return np.where(allowed[:len(row)], row, -np.inf)
@@ -498,7 +500,7 @@ class Engine:
                 drafter, k = policy.choose(context)
                 k = max(0, min(k, remaining - 1, room))
                 td = time.perf_counter()
-                proposal = drafter.propose(context, k, sp, rng) if (drafter is not None and k > 0) else Proposal()
+                proposal = drafter.propose(context, k, sp_draft, rng) if (drafter is not None and k > 0) else Proposal()
                 masks = None
                 if banned and any(t in banned for t in proposal.tokens):  # the biased rows would reject them
                     cut = next(i for i, t in enumerate(proposal.tokens) if t in banned)

@@ -8,7 +8,8 @@ Temperature 0 means greedy (a one-hot on the argmax; ties go to the lowest id, a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,9 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: int | None = None
+    # logit_bias as a vector over the target's vocabulary (bias_vector), for the drafters' rows: the engine sets it
+    # on the copy it hands them, so their q is shaped like the biased p (None: no bias)
+    bias: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -77,6 +81,16 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
         raise ValueError("cannot sample from an all-zero distribution")
     i = int(np.searchsorted(c, rng.random() * total, side="right"))
     return min(i, len(p) - 1)
+
+
+def biased(row: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """row + bias over the ids both cover (a drafter's row may be shorter or longer than the target's vocabulary)."""
+    if bias is None:
+        return row
+    n = min(len(row), len(bias))
+    out = np.array(row, dtype=np.float32, copy=True)
+    out[:n] += bias[:n]
+    return out
 
 
 def bias_vector(logit_bias: dict[int, float] | None, n_vocab: int) -> np.ndarray | None:

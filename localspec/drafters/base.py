@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, probs, sample
+from localspec.core.sampling import SamplingParams, biased, probs, sample
 
 
 @dataclass
@@ -91,6 +91,7 @@ def draft_loop(row: np.ndarray, k: int, sp: SamplingParams, rng: np.random.Gener
     tokens: list[int] = []
     qs: list[np.ndarray] = []
     for i in range(k):
+        row = biased(row, sp.bias)  # the request's logit_bias, as on the target's rows
         if confident is not None and not confident(row):
             break
         if sp.greedy:
