@@ -551,3 +551,23 @@ def test_serve_command_lets_an_allowed_web_ui_in(target_path, tmp_path):
     finally:
         p.terminate()
         p.wait(30)
+
+
+def test_a_stop_signal_right_after_the_ready_line_stops_the_server(target_path):
+    """CI hung on `serve` here: SIGINT sent as soon as the ready line was printed arrived before uvicorn had installed
+    its own handlers, so localspec's run-time handler raised KeyboardInterrupt wherever the main thread was; inside
+    importlib's lock callback it was swallowed ("Exception ignored in ...") and the server ran on. A stop signal from
+    the ready line on now stops the server the way uvicorn's own handler does."""
+    from localspec.server.app import serve
+    from localspec.session import Session
+
+    sess = Session({"model": str(target_path), "method": "none"}, quiet=True)
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if line.startswith("localspec serve: http://"):
+            os.kill(os.getpid(), signal.SIGINT)  # the ready line is out: a supervisor stops the server now
+
+    serve(sess, port=0, log=log)  # returns: no KeyboardInterrupt out of it, no hang
+    assert lines[-1] == "localspec serve: stopped", lines

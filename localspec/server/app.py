@@ -408,11 +408,42 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
         if warning:
             log(warning)
         sock.listen(2048)  # from here on connections wait in the backlog until uvicorn accepts them
-        log(f"localspec serve: http://{shown}:{real_port}/v1 (model {app.state.model})")
-        server.run(sockets=[sock])
+        # from the ready line on, a stop signal stops the server as uvicorn's own handler does (it installs that one
+        # only once its loop runs; before, the run-time handler's KeyboardInterrupt could land anywhere, and inside
+        # importlib's lock callback it was swallowed and the server ran on)
+        previous = _stop_signals_exit(server)
+        try:
+            log(f"localspec serve: http://{shown}:{real_port}/v1 (model {app.state.model})")
+            server.run(sockets=[sock])
+        finally:
+            _restore_signals(previous)
         stopped = app.state.worker.stop(timeout=60)
         log("localspec serve: stopped" if stopped else "localspec serve: a generation did not stop in time")
     finally:
         sock.close()
         if app is None or stopped:
             session.close()  # never under a generation that is still running
+
+
+def _stop_signals_exit(server) -> dict:
+    """SIGINT/SIGTERM/SIGHUP -> server.handle_exit until uvicorn's handlers take over; returns the handlers replaced
+    (none off the main thread: embedded use keeps its own)."""
+    import signal
+
+    previous = {}
+    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            previous[sig] = signal.signal(sig, server.handle_exit)
+        except (ValueError, OSError):  # not the main thread
+            break
+    return previous
+
+
+def _restore_signals(previous: dict) -> None:
+    import signal
+
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
