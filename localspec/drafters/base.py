@@ -113,6 +113,25 @@ class HeadFileDrafter(Drafter):
     head_kind: str = ""
     head = None
     ctx = None
+    target = None
+    layer_ids: list[int] = []
+    n_embd_tgt = 0
+    _cost: float | None = None
+
+    def cost(self) -> float | None:
+        return self._cost
+
+    def _target_features(self, tokens: Sequence[int], positions: Sequence[int]):
+        """(m, pos0, features) of the target's last decode: Model.decode splits a long prompt into n_batch chunks and
+        only the last chunk's hidden states are left, m rows from position pos0, the head's target layers side by
+        side."""
+        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        n = len(tokens)
+        m = (n - 1) % self.target.n_batch + 1
+        ctx_t = self.target._ctx
+        feats = np.concatenate([heads.layer_inp_rows(ctx_t, lid, m, self.n_embd_tgt) for lid in self.layer_ids],
+                               axis=1)
+        return m, int(positions[n - m]), feats
 
     def close(self) -> None:
         self.ctx.close()

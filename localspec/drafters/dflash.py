@@ -77,9 +77,6 @@ class DFlashDrafter(HeadFileDrafter):
         self.hook_s = 0.0  # time in after_target_decode (the per-step overhead the head adds to every decode)
         self.hook_calls = 0
 
-    def cost(self) -> float | None:
-        return self._cost
-
     @property
     def k_max(self) -> int:
         return self.block_size - 1
@@ -92,15 +89,9 @@ class DFlashDrafter(HeadFileDrafter):
     def after_target_decode(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         t0 = time.perf_counter()
-        n = len(tokens)
-        if n == 0:
+        if len(tokens) == 0:
             return
-        # Model.decode splits a long prompt into n_batch chunks: only the last chunk's hidden states are left
-        m = (n - 1) % self.target.n_batch + 1
-        pos0 = int(positions[n - m])
-        ctx_t = self.target._ctx
-        feats = np.concatenate([heads.layer_inp_rows(ctx_t, lid, m, self.n_embd_tgt) for lid in self.layer_ids],
-                               axis=1)
+        m, pos0, feats = self._target_features(tokens, positions)
         self.ctx.prepare(pos0)
         step = self.ctx.n_ubatch
         for i in range(0, m, step):

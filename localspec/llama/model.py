@@ -527,12 +527,7 @@ class Model:
     def close(self) -> None:
         if _ll is None:
             return
-        if getattr(self, "_batch", None) is not None:
-            _ll.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            _ll.llama_free(self._ctx)
-            self._ctx = None
+        free_batch_and_context(self)
         if getattr(self, "_model", None):
             _ll.llama_model_free(self._model)
             self._model = None
@@ -554,6 +549,16 @@ class Model:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def free_batch_and_context(owner) -> None:
+    """Free `owner._batch` (a llama_batch) and `owner._ctx` (a llama_context) once each; a second call is a no-op."""
+    if getattr(owner, "_batch", None) is not None:
+        _ll.llama_batch_free(owner._batch)
+        owner._batch = None
+    if getattr(owner, "_ctx", None):
+        _ll.llama_free(owner._ctx)
+        owner._ctx = None
 
 
 class _LazyTokenText(Sequence):

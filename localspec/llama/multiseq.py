@@ -19,7 +19,7 @@ import numpy as np
 from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import lib
 from localspec.llama.lib import ll as _ll
-from localspec.llama.model import GGML_TYPES
+from localspec.llama.model import GGML_TYPES, free_batch_and_context
 
 
 class MultiSeq:
@@ -146,12 +146,7 @@ class MultiSeq:
     def close(self) -> None:
         if _ll is None:
             return
-        if getattr(self, "_batch", None) is not None:
-            _ll.llama_batch_free(self._batch)
-            self._batch = None
-        if getattr(self, "_ctx", None):
-            _ll.llama_free(self._ctx)
-            self._ctx = None
+        free_batch_and_context(self)
 
     def __del__(self):  # pragma: no cover - best effort
         try:
