@@ -763,3 +763,22 @@ def test_the_details_panel_shows_a_hybrid_models_rollback(tmp_path):
             assert "rollback: checkpoint (3 restores, 5 tokens replayed)" in expert
 
     asyncio.run(go())
+
+
+def test_a_load_result_arriving_while_the_app_closes_is_dropped(tmp_path):
+    """CI failed once in test_sparkline_plots_the_recent_rate: the loader's LoadFailed (a missing model) reached the
+    app after run_test had begun tearing the screen down, and `query_one("#loading")` raised NoMatches. A load result
+    with no screen left to show it on is dropped."""
+    from localspec.tui.messages import LoadFailed
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await pilot.pause()
+            app.query_one("#loading").remove()  # as the teardown does
+            await pilot.pause()
+            app.post_message(LoadFailed("late"))
+            await pilot.pause()
+
+    asyncio.run(go())

@@ -154,9 +154,15 @@ class LocalspecApp(ChatHistory, App):
             self.session.overrides, self._settings = before, None
             self.post_message(LoadFailed(f"{type(exc).__name__}: {exc}"))
 
+    def _screen_gone(self) -> bool:
+        """The app is closing and its widgets are gone: a late load result has nowhere to be shown."""
+        return not self.query("#loading")
+
     @on(Loaded)
     def loaded(self, msg: Loaded) -> None:
         self.engine = msg.engine
+        if self._screen_gone():
+            return
         self.pair_name = _display_name(msg.name)
         self.query_one("#loading").display = False
         mem = {self.engine.target.name: self.engine.target.memory_bytes()}
@@ -173,6 +179,8 @@ class LocalspecApp(ChatHistory, App):
 
     @on(LoadFailed)
     def load_failed(self, msg: LoadFailed) -> None:
+        if self._screen_gone():
+            return
         self.query_one("#loading").display = False
         view = self.query_one(Transcript).add("error", f"could not load the model: {msg.error}")
         view.add_class("error")
