@@ -28,6 +28,7 @@ DEFAULT_DRAFT_COST = 0.5  # draft cost per token in target steps, for a drafter 
 SWITCH_MARGIN = 1.05  # exactness auto leaves the bit cap only for a k that pays this much more than the cap allows
 SWITCH_EVIDENCE = 6.0  # ... judged on an estimate with at least this many (decayed) observations
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
+SHADOW_MAX = 16  # a free drafter's shadow proposals waiting for the tokens that judge them (older ones are dropped)
 
 
 class Policy(Protocol):
@@ -99,6 +100,17 @@ class DrafterEstimate:
         for i in range(last + 1):
             self.tried[i] = self.tried[i] * DECAY + 1.0
             self.acc[i] = self.acc[i] * DECAY + (1.0 if i < n_accepted else 0.0)
+        self.observe_time(n_drafted, t_draft)
+
+    def observe_position(self, i: int, accepted: bool) -> None:
+        """One position's outcome on its own (what observe() records for each position it reaches)."""
+        while len(self.tried) <= i:
+            self.tried.append(0.0)
+            self.acc.append(0.0)
+        self.tried[i] = self.tried[i] * DECAY + 1.0
+        self.acc[i] = self.acc[i] * DECAY + (1.0 if accepted else 0.0)
+
+    def observe_time(self, n_drafted: int, t_draft: float | None) -> None:
         if t_draft is None:  # this step's draft time included catching up with the prompt: not a per-token cost
             return
         per = t_draft / max(n_drafted, 1)
@@ -193,6 +205,15 @@ class AdaptivePolicy:
         self.last_choice = ("none", 0, 0.0)
         self._probing: str | None = None
         self._est_key: dict[str, str] = {}  # drafter name -> the estimate its latest proposal was judged by
+        # Shadow proposals of free drafters (prompt lookup): every step such a drafter has a match, its whole
+        # proposal (k_max tokens) is noted, drafted or not, and judged against the tokens the target then emits.
+        # At temperature 0 that is exactly what a verify would have accepted (at temperature > 0 a draft is accepted
+        # exactly when the emitted token equals it), so every position's acceptance is measured for free, also the
+        # positions beyond the k actually drafted and the steps it declined. Without it, a drafter judged by k=1
+        # steps only ever measured position 1 (deeper positions inherited that figure), and one failed match kept
+        # it out for a whole copied block until the next probe.
+        self._shadows: list[tuple[str, str, int, list[int], int]] = []  # (name, key, position, tokens, judged)
+        self._shadowed: set[str] = set()  # drafters whose step this is judged by its shadow
 
     def _estimate(self, key: str, name: str) -> DrafterEstimate:
         """A drafter's offer names the estimate that judges it: prompt lookup keeps one per matched n-gram length
@@ -220,6 +241,8 @@ class AdaptivePolicy:
         if plain is None:  # measure one plain step first: every estimate is relative to it
             self.last_choice = ("none", 0, 1.0)
             return None, 0
+        self._resolve(context)
+        self._shadowed = set()
         options = []
         for name, drafter in self.drafters.items():
             offer = drafter.offer(context, self.k_max)
@@ -227,6 +250,12 @@ class AdaptivePolicy:
                 continue  # nothing to offer this step (prompt lookup without a match)
             k_cap, key = offer.k, offer.key
             self._est_key[name] = key
+            if self._free(name):
+                shadow = list(drafter.propose(context, k_cap, None, None).tokens)
+                if shadow:
+                    self._shadows.append((name, key, len(context), shadow, 0))
+                    del self._shadows[:-SHADOW_MAX]
+                    self._shadowed.add(name)
             est = self._estimate(key, name)
             t_tok = self._t_token(name, plain)
             cap = k_cap if self.bit_cap is None else min(k_cap, self.bit_cap)
@@ -250,12 +279,14 @@ class AdaptivePolicy:
         options.sort(reverse=True)
         if options and options[0][0] > plain:
             rate, name, k, k_cap, _ = options[0]
-            if self.step % EXPLORE_EVERY == 0 and k < k_cap:
-                k += 1  # keep measuring the next position's acceptance
+            if self.step % EXPLORE_EVERY == 0 and k < k_cap and name not in self._shadowed:
+                k += 1  # keep measuring the next position's acceptance (a shadowed drafter measures it anyway)
             self.last_choice = (name, k, rate / plain)
             return self.drafters[name], k
         # speculation does not pay right now; probe a drafter now and then, if it could win at all
         for rate, name, k, k_cap, t_tok in options:
+            if name in self._shadowed:
+                continue  # its shadow measures it every step: a probe would only spend a verify row
             every = PROBE_EVERY_FREE if self.cost_prior.get(name) == 0.0 else PROBE_EVERY
             if self.since_used[name] < every:
                 continue
@@ -280,10 +311,41 @@ class AdaptivePolicy:
         if drafter is not None and n_drafted:
             # a probe whose drafts were all accepted is followed by another at once: the regime may be back
             self.since_used[drafter.name] = PROBE_EVERY if (probing == drafter.name and n_accepted == n_drafted) else 0
-            key = self._est_key.get(drafter.name, drafter.name)
-            self.est[drafter.name].observe(n_drafted, n_accepted, t_draft)  # pooled: what `estimates()` reports
-            if key != drafter.name:
-                self._estimate(key, drafter.name).observe(n_drafted, n_accepted, t_draft)
+            if drafter.name in self._shadowed:  # judged by its shadow, which also sees the positions not drafted
+                self.est[drafter.name].observe_time(n_drafted, t_draft)
+                return
+            self._observe(drafter.name, self._est_key.get(drafter.name, drafter.name), n_drafted, n_accepted, t_draft)
+
+    def _observe(self, name: str, key: str, n_drafted: int, n_accepted: int, t_draft: float | None) -> None:
+        self.est[name].observe(n_drafted, n_accepted, t_draft)  # pooled: what `estimates()` reports
+        if key != name:
+            self._estimate(key, name).observe(n_drafted, n_accepted, t_draft)
+
+    def _free(self, name: str) -> bool:
+        """Whether a drafter's proposals are judged by shadow (free to make, and a function of the context)."""
+        return bool(getattr(self.drafters.get(name), "shadowed", False))
+
+    def _resolve(self, context: Sequence[int]) -> None:
+        """Judge the shadow proposals on the tokens the context now shows, position by position as they come (a
+        position is tried when every earlier one was accepted): a copied run counts as soon as its tokens arrive,
+        not only when the whole proposal is known."""
+        keep = []
+        n = len(context)
+        for name, key, pos, toks, done in self._shadows:
+            if pos + done > n:
+                continue  # not this context's (a new answer): drop it
+            ests = [self.est[name]] + ([self._estimate(key, name)] if key != name else [])
+            while done < len(toks) and pos + done < n:
+                hit = context[pos + done] == toks[done]
+                for est in ests:
+                    est.observe_position(done, hit)
+                done += 1
+                if not hit:
+                    break
+            else:
+                if done < len(toks):
+                    keep.append((name, key, pos, toks, done))
+        self._shadows = keep
 
     def estimates(self) -> dict[str, tuple[int, float]]:
         """Per drafter: (best k, estimated speedup vs plain) from the current estimates."""

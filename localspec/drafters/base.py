@@ -51,6 +51,9 @@ class Offer:
 
 class Drafter(ABC):
     name: str = "drafter"
+    # True: proposing costs next to nothing and depends on the context alone (prompt lookup), so the adaptive
+    # controller asks for a whole proposal every step and judges it against the tokens that follow, drafted or not
+    shadowed: bool = False
     prior_alpha: float = 0.5  # acceptance assumed until measured
 
     def begin(self, context: Sequence[int]) -> None:

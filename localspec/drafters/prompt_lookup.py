@@ -15,6 +15,7 @@ from localspec.drafters.base import Drafter, Offer, Proposal
 
 class PromptLookupDrafter(Drafter):
     name = "lookup"
+    shadowed = True
 
     def __init__(self, lookup_min: int = 2, lookup_max: int = 4) -> None:
         if lookup_min < 1 or lookup_max < lookup_min:
