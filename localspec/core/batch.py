@@ -50,7 +50,10 @@ from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog"
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
+              "def f(x): return x + 1")
+PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compared (whether GEMM and GEMV rows
+# round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
 SINGLE_METHODS = ("draft", "eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
 
 
@@ -168,12 +171,10 @@ class BatchEngine:
             return ProbeResult(False, "all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other "
                                "requests' rollbacks a request's cache cells are no longer in position order, and "
                                "attention sums them in cell order")
-        toks = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab][:6]
-        if len(toks) < 2:
-            toks = [1, 2, 3, 4]
+        text = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab] or [1, 2, 3, 4]
         n, most = self.n_slots, self.bit_rows()
-        head = len(toks)
-        ext = [toks[i % len(toks)] for i in range(head + most)]
+        ext = [text[i % len(text)] for i in range(PROBE_HEAD + most)]
+        toks, head = ext[:PROBE_HEAD], PROBE_HEAD
         try:
             # one-token decoding here, alone: the reference for every row below
             ms.clear()
