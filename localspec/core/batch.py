@@ -1,7 +1,7 @@
 """Continuous batching: several generations decoded together over one target, with speculation per request.
 
 A `BatchEngine` keeps N slots, one llama.cpp sequence each (llama/multiseq.py: a second context on the target's
-weights, one unified KV cache). A step gathers every active slot's rows into ONE llama_decode: a generating slot
+weights, one KV stream per slot). A step gathers every active slot's rows into ONE llama_decode: a generating slot
 contributes its pending token and its drafted tokens ([pending, d1..dk], logits at every row), a joining slot a
 chunk of its prompt (at most `prefill_chunk` tokens a step, so a long prompt does not stall the others). Then per
 slot: verify (greedy or speculative sampling with the request's own rng), roll the rejected rows back
@@ -16,13 +16,22 @@ only here; the draft model, EAGLE-3/MTP heads and grammar-constrained requests t
 time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the batch a
 drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
 
-Exactness: llama.cpp's logits for a row may depend on what else is in the batch and on where its KV cells lie.
-By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in position
-order as in the single-sequence context, and llama.cpp splits a batch into ubatches of equal rows per sequence.
-`probe()` decodes a sequence's tokens alone and with other sequences' rows (and their rollbacks) beside them and
-compares the logits bit for bit. Where they match, `bit` requests keep their single-decoding output (k capped as
-Engine caps it); where not, batched requests run at `lossless` and their stats say so (exactness_reason).
-LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one ubatch a step); after rollbacks a slot's cells are out of
+Exactness: llama.cpp's logits for a row may depend on what else is in its forward pass and on where its KV cells
+lie. By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in
+position order as in the single-sequence context, and llama.cpp runs a batch as passes of CONSECUTIVE sequences
+with EQUAL rows each (llama/multiseq.py split_equal). On CPUs where ggml repacks quantized weights (Q4_K/Q4_0 ->
+8x8 layouts on AVX2/AVX-512) a pass's rows go through a GEMM in groups of 4 and a GEMV for the rest, which round
+differently: a row's logits then depend on the TOTAL rows of its pass (measured on Qwen2.5-Coder Q4_K_M: 3 requests
+x 1 row identical, 4 x 1 and 2 x 2 not). `probe()` decodes the shapes a batch makes (every n <= N requests x
+every r <= the bit k cap + 1 rows, a prompt beside others' rows, others' rollbacks) and compares every row bit for
+bit with one-token decoding. Where all match, `bit` requests keep their single-decoding output (k capped as Engine
+caps it). Where some shapes do not, exactness is per request: a `bit` request stays bit while it shares only
+passes of shapes that matched (alone, or e.g. 3 x 1), and from the first pass that did not it runs at `lossless`
+and its stats say from which token and why.
+One pass per step: generating slots are padded with filler rows to the step's most rows (where the shape keeps
+each request's exactness) and a new request takes the slot that keeps the active slots consecutive, unless another
+slot's cache saves it REUSE_MIN prompt tokens (benchmarks/serve_concurrency_shapes.py times the layouts).
+LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one pass a step); after rollbacks a slot's cells are out of
 position order and attention sums them in cell order (measured: outputs differ in float noise), so batched
 requests always run at `lossless` there.
 """
@@ -435,9 +444,24 @@ class BatchEngine:
         for ub in self.ms.passes([(p[0], r) for p in parts]):
             if bit & {seq for seq, _, _ in ub} and not self.shape_exact(len(ub), r):
                 return
-        for j, (seq, toks, _) in enumerate(parts):
+        for j, ((seq, toks, _), run) in enumerate(zip(parts, owners)):
             if len(toks) < r:
+                toks = self._more_drafts(run, toks, r)
                 parts[j] = (seq, [*toks, *[toks[-1]] * (r - len(toks))], range(r))
+
+    def _more_drafts(self, run: _Run, toks: list[int], r: int) -> list[int]:
+        """A padded greedy prompt-lookup slot drafts into its padding where the lookup has more (rows the step
+        pays for anyway); the proposal grows, its rows verified as any. Returns the slot's rows (pending + drafts)."""
+        drafter, k, proposal, base, t_draft = run.step
+        if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy:
+            return toks
+        room = run.cfg.max_tokens - run.stats.completion_tokens - 1
+        more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.rng)
+        if len(more.tokens) <= len(proposal.tokens) or list(more.tokens[:len(proposal.tokens)]) != \
+                list(proposal.tokens):
+            return toks
+        run.step = (drafter, k, Proposal(list(more.tokens), None), base, t_draft)
+        return [toks[0], *more.tokens]
 
     def _note_shapes(self, parts: list, owners: list) -> None:
         """Where the probe found some pass shapes not bit-exact: a request at bit that shares such a pass now
