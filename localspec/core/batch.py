@@ -109,7 +109,9 @@ class BatchEngine:
     """N slots over `engine`'s target. Not thread-safe: one thread calls add() and step()."""
 
     def __init__(self, engine: Engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
-                 unified: bool | None = None) -> None:
+                 unified: bool | None = None, pad: bool | None = None) -> None:
+        """unified: one KV cache for all slots (default: LOCALSPEC_KV_UNIFIED). pad: pad a step's slots to one
+        pass (_pad; default on, LOCALSPEC_BATCH_PAD=0 turns it off to compare)."""
         from localspec.llama.multiseq import MultiSeq
 
         if n_slots < 1:
@@ -119,6 +121,7 @@ class BatchEngine:
         if unified is None:
             unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
         self.ms = MultiSeq(engine.target, n_slots, unified=unified)
+        self.pad = pad if pad is not None else os.environ.get("LOCALSPEC_BATCH_PAD", "1") not in ("0", "")
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.prefill_chunk = max(1, int(prefill_chunk))
@@ -265,7 +268,7 @@ class BatchEngine:
         bit request's rows bit-identical, by the probe."""
         res = self.probe_result()
         if n_seqs < 2:
-            return True  # alone: the engine's own k cap
+            return rows <= self.bit_rows()  # alone: the engine's own k cap
         if res.exact:
             return rows <= self.bit_rows() or beside_prompt
         if res.blanket:
@@ -432,7 +435,7 @@ class BatchEngine:
         slot to the step's most rows with filler rows (their logits are not used; they are rolled back with the
         rejected drafts), where the cache has room and, for a request still at bit, the padded pass shape is
         bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
-        if len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
+        if not self.pad or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
             return
         r = max(len(p[1]) for p in parts)
         if all(len(p[1]) == r for p in parts) or r * len(parts) > self.ms.n_batch:
@@ -484,9 +487,9 @@ class BatchEngine:
                 if st.exactness != "bit":
                     continue
                 st.exactness = "lossless"
-                st.exactness_reason = (f"lossless: from token {st.completion_tokens + 1} it shared a forward pass "
-                                       f"{what}, and {res.why} here; every token is still the target's choice in "
-                                       "the pass that emitted it")
+                st.exactness_reason = (f"lossless: batched, and from token {st.completion_tokens + 1} it shared a "
+                                       f"pass {what}, and {res.why} here; every token is still the target's "
+                                       "choice in the pass that emitted it")
 
     def _release_finished(self) -> None:
         for run in self.runs:
