@@ -1,7 +1,7 @@
 """Continuous batching: several generations decoded together over one target, with speculation per request.
 
 A `BatchEngine` keeps N slots, one llama.cpp sequence each (llama/multiseq.py: a second context on the target's
-weights, one unified KV cache). A step gathers every active slot's rows into ONE llama_decode: a generating slot
+weights, one KV stream per slot). A step gathers every active slot's rows into ONE llama_decode: a generating slot
 contributes its pending token and its drafted tokens ([pending, d1..dk], logits at every row), a joining slot a
 chunk of its prompt (at most `prefill_chunk` tokens a step, so a long prompt does not stall the others). Then per
 slot: verify (greedy or speculative sampling with the request's own rng), roll the rejected rows back
@@ -16,13 +16,22 @@ only here; the draft model, EAGLE-3/MTP heads and grammar-constrained requests t
 time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the batch a
 drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
 
-Exactness: llama.cpp's logits for a row may depend on what else is in the batch and on where its KV cells lie.
-By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in position
-order as in the single-sequence context, and llama.cpp splits a batch into ubatches of equal rows per sequence.
-`probe()` decodes a sequence's tokens alone and with other sequences' rows (and their rollbacks) beside them and
-compares the logits bit for bit. Where they match, `bit` requests keep their single-decoding output (k capped as
-Engine caps it); where not, batched requests run at `lossless` and their stats say so (exactness_reason).
-LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one ubatch a step); after rollbacks a slot's cells are out of
+Exactness: llama.cpp's logits for a row may depend on what else is in its forward pass and on where its KV cells
+lie. By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in
+position order as in the single-sequence context, and llama.cpp runs a batch as passes of CONSECUTIVE sequences
+with EQUAL rows each (llama/multiseq.py split_equal). On CPUs where ggml repacks quantized weights (Q4_K/Q4_0 ->
+8x8 layouts on AVX2/AVX-512) a pass's rows go through a GEMM in groups of 4 and a GEMV for the rest, which round
+differently: a row's logits then depend on the TOTAL rows of its pass (measured on Qwen2.5-Coder Q4_K_M: 3 requests
+x 1 row identical, 4 x 1 and 2 x 2 not). `probe()` decodes the shapes a batch makes (every n <= N requests x
+every r <= the bit k cap + 1 rows, a prompt beside others' rows, others' rollbacks) and compares every row bit for
+bit with one-token decoding. Where all match, `bit` requests keep their single-decoding output (k capped as Engine
+caps it). Where some shapes do not, exactness is per request: a `bit` request stays bit while it shares only
+passes of shapes that matched (alone, or e.g. 3 x 1), and from the first pass that did not it runs at `lossless`
+and its stats say from which token and why.
+One pass per step: generating slots are padded with filler rows to the step's most rows (where the shape keeps
+each request's exactness) and a new request takes the slot that keeps the active slots consecutive, unless another
+slot's cache saves it REUSE_MIN prompt tokens (benchmarks/serve_concurrency_shapes.py times the layouts).
+LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one pass a step); after rollbacks a slot's cells are out of
 position order and attention sums them in cell order (measured: outputs differ in float noise), so batched
 requests always run at `lossless` there.
 """
@@ -32,6 +41,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import numpy as np
@@ -48,8 +58,30 @@ from localspec.errors import ContextOverflowError, UsageError
 from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog"
+REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
+              "def f(x): return x + 1")
+PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compared (whether GEMM and GEMV rows
+# round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
 SINGLE_METHODS = ("draft", "eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
+
+
+@dataclass
+class ProbeResult:
+    """What BatchEngine's probe found. exact: every probed pass shape is bit-identical to one-token decoding.
+    shapes: (requests, rows each) -> bit-identical. beside_prompt: requests in the pass -> a prompt chunk beside the
+    others' 1-row steps changes no logits. blanket: the verdict holds for every batched request (no pass shape is
+    known to be exact)."""
+
+    exact: bool
+    why: str
+    shapes: dict = field(default_factory=dict)
+    beside_prompt: dict = field(default_factory=dict)
+    blanket: bool = True
+
+    @property
+    def verdict(self) -> tuple[bool, str]:
+        return self.exact, self.why
 
 
 class _Run:
@@ -77,7 +109,9 @@ class BatchEngine:
     """N slots over `engine`'s target. Not thread-safe: one thread calls add() and step()."""
 
     def __init__(self, engine: Engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
-                 unified: bool | None = None) -> None:
+                 unified: bool | None = None, pad: bool | None = None) -> None:
+        """unified: one KV cache for all slots (default: LOCALSPEC_KV_UNIFIED). pad: pad a step's slots to one
+        pass (_pad; default on, LOCALSPEC_BATCH_PAD=0 turns it off to compare)."""
         from localspec.llama.multiseq import MultiSeq
 
         if n_slots < 1:
@@ -87,13 +121,14 @@ class BatchEngine:
         if unified is None:
             unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
         self.ms = MultiSeq(engine.target, n_slots, unified=unified)
+        self.pad = pad if pad is not None else os.environ.get("LOCALSPEC_BATCH_PAD", "1") not in ("0", "")
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.runs: list[_Run | None] = [None] * n_slots
         self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
         self.controller_state: dict = {}
-        self._exact: tuple[bool, str] | None = None
+        self._exact: ProbeResult | None = None
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
 
@@ -119,47 +154,103 @@ class BatchEngine:
 
     def probe(self) -> tuple[bool, str]:
         """(exact, why): whether a sequence's logits stay bit-identical when other sequences' rows share its
-        batch, and one-token decoding here equals the target's own context. Once per BatchEngine; clears the
-        slots' caches and the target's single-sequence cache (call it before the first request)."""
+        forward passes, and one-token decoding here equals the target's own context. Once per BatchEngine; clears
+        the slots' caches and the target's single-sequence cache (call it before the first request)."""
+        return self.probe_result().verdict
+
+    def probe_result(self) -> ProbeResult:
+        """The probe's findings: the verdict, and per pass shape (requests x rows each) whether it is bit-exact."""
         if self._exact is None:
-            self._exact = self._probe()
+            res = self._probe()
+            self._exact = res if isinstance(res, ProbeResult) else ProbeResult(*res)
         return self._exact
 
-    def _probe(self) -> tuple[bool, str]:
+    def bit_rows(self) -> int:
+        """The most rows a bit-exact request verifies in one step here (the engine's bit k cap + 1)."""
+        from localspec.core import exactness as X
+
+        return self.engine.exact_k(X.PROBE_MIN_UPTO - 1) + 1
+
+    def _probe(self) -> ProbeResult:
+        """Decode the shapes the batch really makes (llama.cpp runs a batch as passes of consecutive sequences with
+        equal rows each, see multiseq.split_equal) and compare every row bit for bit with one-token decoding: every
+        n <= n_slots sequences x every r <= bit_rows() rows each in one pass; a prompt chunk beside other requests'
+        rows (its last row and the cache it leaves); another request's rollbacks beside a sequence."""
         ms, target = self.ms, self.target
-        toks = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab][:6]
-        if len(toks) < 2:
-            toks = [1, 2, 3, 4]
         if self.n_slots < 2:
-            return True, "one slot: nothing else shares its batches"
+            return ProbeResult(True, "one slot: nothing else shares its batches")
         if ms.unified:
-            return False, ("all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other requests' rollbacks "
-                           "a request's cache cells are no longer in position order, and attention sums them in "
-                           "cell order")
-        ms.clear()
-        for t in toks:
-            ref = np.array(ms.decode([(0, [t], [0])])[0][0], copy=True)
-        target.clear()
-        for t in toks:
-            single = target.decode([t], "last")[0]
-        target.clear()
-        if not np.array_equal(single, ref):
+            return ProbeResult(False, "all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other "
+                               "requests' rollbacks a request's cache cells are no longer in position order, and "
+                               "attention sums them in cell order")
+        text = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab] or [1, 2, 3, 4]
+        n, most = self.n_slots, self.bit_rows()
+        ext = [text[i % len(text)] for i in range(PROBE_HEAD + most)]
+        toks, head = ext[:PROBE_HEAD], PROBE_HEAD
+        try:
+            # one-token decoding here, alone: the reference for every row below
             ms.clear()
-            return False, "one-token decoding in the batch context differs from the target's own context"
-        most = min(self.ms.n_batch - 1, self.n_slots * (D.DRAFT_TOKENS + 1))
-        for m in sorted({1, 3, max(1, most)}):
-            if m > most:
-                continue
+            refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in ext]
+            target.clear()
+            single = target.decode(toks, "last")[0].copy()
+            target.clear()
+            for t in toks:
+                one = target.decode([t], "last")[0]
+            target.clear()
+            if not np.array_equal(one, refs[head - 1]):
+                return ProbeResult(False, "one-token decoding in the batch context differs from the target's own "
+                                   "context")
+            # every pass shape a bit request can be in: s sequences x r rows each, all rows' logits wanted
             ms.clear()
-            for t in toks[:-1]:
-                ms.decode([(0, [t], [])])
-            filler = [toks[i % len(toks)] for i in range(m)]
-            got = ms.decode([(1, filler, range(m)), (0, [toks[-1]], [0])])[1][0]
-            if not np.array_equal(got, ref):
-                ms.clear()
-                return False, f"a row's logits change when {m} rows of another request share its batch"
-        # rollbacks in the one unified cache: another request's rejected rows leave holes that this one's next
-        # tokens may fill, so its cells are no longer in position order (attention sums them in cell order)
+            for s in range(n):
+                for t in toks:
+                    ms.decode([(s, [t], [])])
+            shapes: dict[tuple[int, int], bool] = {}
+            for s in range(1, n + 1):
+                for r in range(1, most + 1):
+                    if s * r > ms.n_batch:
+                        continue
+                    outs = ms.decode([(j, ext[head:head + r], range(r)) for j in range(s)])
+                    shapes[(s, r)] = all(np.array_equal(o[i], refs[head + i]) for o in outs for i in range(r))
+                    for j in range(s):
+                        ms.truncate(j, head)
+            # a prompt decoded beside s - 1 other requests' pending rows: its last row (the first token's logits)
+            # equals the target's own prefill, the rows beside it their references, and the cache it leaves
+            # decodes on alike
+            target.decode(toks, "last")
+            after = target.decode(ext[head:head + 1], "last")[0].copy()
+            target.clear()
+            beside: dict[int, bool] = {}
+            for s in range(2, n + 1):
+                ms.clear(0)
+                outs = ms.decode([(0, toks, [head - 1])] + [(j, ext[head:head + 1], [0]) for j in range(1, s)])
+                ok = np.array_equal(outs[0][0], single) and all(np.array_equal(o[0], refs[head]) for o in outs[1:])
+                beside[s] = ok and np.array_equal(ms.decode([(0, ext[head:head + 1], [0])])[0][0], after)
+                for j in range(1, s):
+                    ms.truncate(j, head)
+            rolled = self._probe_rollbacks(toks)
+        finally:
+            ms.clear()
+        if not rolled:
+            return ProbeResult(False, "a row's logits change when other requests' rolled-back drafts leave its cache "
+                               "cells out of position order")
+        bad = [f"{s} x {r}" for (s, r), ok in sorted(shapes.items(), key=lambda x: (x[0][0] * x[0][1], x[0]))
+               if not ok and s > 1]
+        if not bad and all(beside.values()):
+            return ProbeResult(True, f"a row's logits are bit-identical with up to {n} requests x {most} rows in its "
+                               "forward pass, beside another request's prompt chunk and its rollbacks", shapes, beside)
+        what = []
+        if bad:
+            what.append("passes of " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else "") +
+                        " rows (requests x rows each) are not bit-identical to one-token decoding")
+        if not all(beside.values()):
+            what.append("a prompt chunk decoded beside " + ", ".join(f"{s - 1}" for s, ok in beside.items() if not ok)
+                        + " other requests' rows changes its or their logits")
+        return ProbeResult(False, "; ".join(what), shapes, beside, blanket=False)
+
+    def _probe_rollbacks(self, toks: list[int]) -> bool:
+        """Another request's rejected rows rolled back beside a sequence between its steps leave its logits alone."""
+        ms = self.ms
         long = (toks * 2)[:10]
         ms.clear()
         refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in long]
@@ -168,25 +259,40 @@ class BatchEngine:
         for i, t in enumerate(long):
             got = ms.decode([(1, [toks[1]] * 3, []), (0, [t], [0])])[1][0]
             if not np.array_equal(got, refs[i]):
-                ms.clear()
-                return False, ("a row's logits change when other requests' rolled-back drafts leave its cache cells "
-                               "out of position order")
+                return False
             ms.truncate(1, len(ms.tokens[1]) - 2)  # the other request rejects two of its three rows
-        ms.clear()
-        return True, f"a row's logits are bit-identical with up to {most} rows of other requests in its batch"
+        return True
+
+    def shape_exact(self, n_seqs: int, rows: int, beside_prompt: bool = False) -> bool:
+        """Whether a forward pass of n_seqs requests x rows each (beside_prompt: one of them a prompt chunk) keeps a
+        bit request's rows bit-identical, by the probe."""
+        res = self.probe_result()
+        if n_seqs < 2:
+            return rows <= self.bit_rows()  # alone: the engine's own k cap
+        if res.exact:
+            return rows <= self.bit_rows() or beside_prompt
+        if res.blanket:
+            return False
+        if beside_prompt:
+            return rows == 1 and res.beside_prompt.get(n_seqs, False) and res.shapes.get((n_seqs, 1), False)
+        return res.shapes.get((n_seqs, rows), False)
 
     def exactness_for(self, cfg: GenConfig) -> tuple[int, str, str]:
-        """(k, level, why) for a batched request: Engine's answer, at lossless where batching is not bit-exact."""
+        """(k, level, why) for a batched request: Engine's answer; at lossless where batching is never bit-exact
+        here; where only some pass shapes are not, at bit until the request shares such a pass (step() says)."""
         k, level, why = self.engine.exactness_for(cfg)
         if self.engine.resolve_method(cfg) == "none" or cfg.k <= 0:
             k = 0
         if level != "bit":
             return k, level, why
-        exact, probe_why = self.probe()
-        if exact:
-            return k, level, f"{why}; batched with other requests: {probe_why}"
+        res = self.probe_result()
+        if res.exact:
+            return k, level, f"{why}; batched with other requests: {res.why}"
+        if not res.blanket:
+            return k, level, (f"{why}; batched with other requests it stays bit while it shares only passes that are "
+                              f"bit-identical here ({res.why})")
         k = cfg.k if self.engine.resolve_method(cfg) != "none" else 0
-        return k, "lossless", (f"lossless: batched with other requests, and {probe_why} here; every token is "
+        return k, "lossless", (f"lossless: batched with other requests, and {res.why} here; every token is "
                                "still the target's choice in the pass that emitted it")
 
     # ------------------------------------------------------------ join
@@ -210,7 +316,7 @@ class BatchEngine:
         if not free:
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
-        seq = max(free, key=lambda s: common_prefix(self.ms.tokens[s], prompt))
+        seq = self._choose_slot(prompt, free)
         common = common_prefix(self.ms.tokens[seq], prompt)
         if common == len(prompt):
             common -= 1  # the last prompt token is decoded again for its logits
@@ -243,6 +349,23 @@ class BatchEngine:
         run = _Run(seq, prompt, cfg, cancel, sink or (lambda ev: None), stats, policy, prompt[common:])
         self.runs[seq] = run
         return seq
+
+    def _choose_slot(self, prompt: list[int], free: list[int]) -> int:
+        """The free slot for a new request: the one whose cache shares the longest prefix with the prompt when that
+        saves at least REUSE_MIN prompt tokens (a continued chat); else the one that keeps the active slots
+        consecutive (llama.cpp passes take only consecutive sequences: active slots 0 and 2 cost two passes a
+        step), the lowest such."""
+        common = {s: common_prefix(self.ms.tokens[s], prompt) for s in free}
+        best = max(free, key=lambda s: common[s])
+        if common[best] >= min(REUSE_MIN, len(prompt) - 1) and common[best] > 0:
+            return best
+        active = {s for s, r in enumerate(self.runs) if r is not None}
+
+        def runs_with(s: int) -> int:
+            on = active | {s}
+            return sum(1 for x in on if x - 1 not in on)
+
+        return min(free, key=lambda s: (runs_with(s), s))
 
     # ------------------------------------------------------------ one step
     def step(self) -> int:
@@ -288,6 +411,8 @@ class BatchEngine:
         if not parts:
             self._release_finished()
             return 0
+        self._pad(parts, owners)
+        self._note_shapes(parts, owners)
         total = sum(len(p[1]) for p in parts)
         t0 = time.perf_counter()
         outs = ms.decode(parts, copy=False)  # used before the next decode
@@ -302,6 +427,69 @@ class BatchEngine:
                 self._verified(run, rows, share)
         self._release_finished()
         return total
+
+    def _pad(self, parts: list, owners: list) -> None:
+        """One forward pass for the step where it can be: llama.cpp runs a batch over separate KV streams as passes
+        of consecutive sequences with EQUAL rows each (multiseq.split_equal), so generating slots with different
+        draft lengths (rows [1, 4, 1, 3]) cost several passes, each reading the weights again. Pad every generating
+        slot to the step's most rows with filler rows (their logits are not used; they are rolled back with the
+        rejected drafts), where the cache has room and, for a request still at bit, the padded pass shape is
+        bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
+        if not self.pad or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
+            return
+        r = max(len(p[1]) for p in parts)
+        if all(len(p[1]) == r for p in parts) or r * len(parts) > self.ms.n_batch:
+            return
+        for run in owners:
+            if len(self.ms.tokens[run.seq]) + r > self.n_ctx:
+                return
+        bit = {run.seq for run in owners if run.stats.exactness == "bit"}
+        for ub in self.ms.passes([(p[0], r) for p in parts]):
+            if bit & {seq for seq, _, _ in ub} and not self.shape_exact(len(ub), r):
+                return
+        for j, ((seq, toks, _), run) in enumerate(zip(parts, owners)):
+            if len(toks) < r:
+                toks = self._more_drafts(run, toks, r)
+                parts[j] = (seq, [*toks, *[toks[-1]] * (r - len(toks))], range(r))
+
+    def _more_drafts(self, run: _Run, toks: list[int], r: int) -> list[int]:
+        """A padded greedy prompt-lookup slot drafts into its padding where the lookup has more (rows the step
+        pays for anyway); the proposal grows, its rows verified as any. Returns the slot's rows (pending + drafts)."""
+        drafter, k, proposal, base, t_draft = run.step
+        if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy:
+            return toks
+        room = run.cfg.max_tokens - run.stats.completion_tokens - 1
+        more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.rng)
+        if len(more.tokens) <= len(proposal.tokens) or list(more.tokens[:len(proposal.tokens)]) != \
+                list(proposal.tokens):
+            return toks
+        run.step = (drafter, k, Proposal(list(more.tokens), None), base, t_draft)
+        return [toks[0], *more.tokens]
+
+    def _note_shapes(self, parts: list, owners: list) -> None:
+        """Where the probe found some pass shapes not bit-exact: a request at bit that shares such a pass now
+        runs at lossless, and its stats say from which token and why. A request that runs alone stays bit."""
+        res = self.probe_result()
+        if res.exact or res.blanket:
+            return
+        by_seq = {run.seq: run for run in owners}
+        for ub in self.ms.passes([(p[0], len(p[1])) for p in parts]):
+            if len(ub) < 2:
+                continue
+            runs = [by_seq[seq] for seq, _, _ in ub]
+            r = ub[0][2]
+            prompt = any(run.step is None for run in runs)
+            if self.shape_exact(len(ub), r, prompt):
+                continue
+            what = "beside another request's prompt chunk" if prompt else f"of {len(ub)} requests x {r} rows"
+            for run in runs:
+                st = run.stats
+                if st.exactness != "bit":
+                    continue
+                st.exactness = "lossless"
+                st.exactness_reason = (f"lossless: batched, and from token {st.completion_tokens + 1} it shared a "
+                                       f"pass {what}, and {res.why} here; every token is still the target's "
+                                       "choice in the pass that emitted it")
 
     def _release_finished(self) -> None:
         for run in self.runs:
@@ -331,6 +519,7 @@ class BatchEngine:
         run.step = None
         st, sp = run.stats, run.cfg.sampling
         gamma = len(proposal.tokens)
+        rows = rows[:gamma + 1]  # past them: padding (_pad), rolled back with the rejected rows
         if sp.greedy:
             n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
         else:

@@ -22,6 +22,31 @@ from localspec.llama.lib import ll as _ll
 from localspec.llama.model import GGML_TYPES, free_batch_and_context
 
 
+def split_equal(counts: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[tuple[int, int, int]]]:
+    """The ubatches (forward passes) llama.cpp makes of one batch when every sequence has its own KV stream:
+    `llama_batch_allocr::split_equal(n_ubatch, sequential=true)` (llama-batch.cpp) takes a run of CONSECUTIVE seq
+    ids and the SAME number of rows from each (the fewest any of them has left, at most n_ubatch in all), again
+    until every row is used. `counts`: (seq, rows) per sequence in the batch. Returns per ubatch its
+    (seq, first row, rows) list: rows [1, 3, 1, 2] of seqs 0..3 run as 4 x 1, then seq 1 x 2, then seq 3 x 1."""
+    left = {int(s): int(n) for s, n in counts if n > 0}
+    done = dict.fromkeys(left, 0)
+    out = []
+    while any(left.values()):
+        run: list[int] = []
+        for s in sorted(left):
+            if not left[s]:
+                continue
+            if run and s != run[-1] + 1:
+                break
+            run.append(s)
+        r = min(min(left[s] for s in run), max(1, n_ubatch // len(run)))
+        out.append([(s, done[s], r) for s in run])
+        for s in run:
+            left[s] -= r
+            done[s] += r
+    return out
+
+
 class MultiSeq:
     """`n_seq` token-tracked sequences of `model` decoded together. `tokens[s]`: the tokens whose KV is cached
     for sequence s, position i = tokens[s][i]. Not thread-safe (one caller thread, as Model)."""
@@ -123,6 +148,13 @@ class MultiSeq:
             out[j] = np.array(view, copy=True) if copy else view
             start += n
         return out
+
+    def passes(self, counts: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
+        """The forward passes one decode() of (seq, rows) counts runs as (see split_equal); one unified KV cache
+        takes the whole batch in one pass (n_ubatch = n_batch)."""
+        if self.unified:
+            return [[(int(s), 0, int(n)) for s, n in sorted(counts) if n > 0]]
+        return split_equal(counts, self.n_batch)
 
     def truncate(self, seq: int, n_keep: int) -> None:
         """Remove sequence `seq`'s cache entries from position n_keep on."""

@@ -1,0 +1,233 @@
+"""Batched serving (core/batch.py) and the shapes of its forward passes: llama.cpp runs a batch over separate KV
+streams as passes of consecutive sequences with equal rows each (multiseq.split_equal). The exactness probe
+decodes those shapes; a step pads its slots to one pass where that keeps each request's exactness."""
+
+import numpy as np
+import pytest
+
+from conftest import PROMPTS
+from localspec.core.batch import BatchEngine
+from localspec.core.engine import Engine, GenConfig
+from localspec.llama.multiseq import split_equal
+
+N = 60
+
+
+@pytest.fixture(scope="module")
+def engine(target_path, draft_path):
+    e = Engine.load(target_path, draft_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+def cfg_for(method, **kw):
+    return GenConfig(method=method, k=kw.pop("k", 4), max_tokens=kw.pop("max_tokens", N), **kw)
+
+
+def alone(engine, prompt_tokens, cfg):
+    return engine.complete(list(prompt_tokens), cfg)
+
+
+def perturb_big_passes(ms, min_rows=4, eps=1e-3):
+    """A MultiSeq whose logits change (by eps, far below the tiny models' margins) only in forward passes of
+    min_rows rows or more from two requests or more: what ggml-cpu's repacked Q4_K GEMM (4-row groups) does beside
+    its GEMV (alone, the engine's own k cap covers it)."""
+    orig = ms.decode
+
+    def decode(parts, copy=True):
+        outs = orig(parts, copy=True)
+        for ub in split_equal([(p[0], len(p[1])) for p in parts], ms.n_batch):
+            if len(ub) < 2 or sum(n for _, _, n in ub) < min_rows:
+                continue
+            for seq, first, n in ub:
+                j = next(j for j, p in enumerate(parts) if p[0] == seq)
+                for i, row in enumerate(sorted(set(parts[j][2]))):
+                    if first <= row < first + n:
+                        outs[j][i] += eps
+        return outs
+
+    ms.decode = decode
+
+
+def staggered(b, requests):
+    """Run requests joining one a step (their prompts beside the others' 1-row steps, not beside other prompts)."""
+    done = {}
+    for i, (prompt, cfg) in enumerate(requests):
+        b.add(prompt, cfg, sink=lambda ev, i=i: done.setdefault(i, ev) if hasattr(ev, "stats") else None)
+        b.step()
+    while b.active:
+        b.step()
+    return [done[i] for i in range(len(requests))]
+
+
+def count_passes(b):
+    """Record, per decode, the forward passes llama.cpp runs it as."""
+    seen = []
+    orig = b.ms.decode
+
+    def decode(parts, copy=True):
+        seen.append((b.ms.passes([(p[0], len(p[1])) for p in parts]), [len(p[1]) for p in parts]))
+        return orig(parts, copy)
+
+    b.ms.decode = decode
+    return seen
+
+
+# ------------------------------------------------------------------ llama.cpp's split, modelled
+def test_split_equal_takes_consecutive_sequences_with_equal_rows():
+    assert split_equal([(0, 1), (1, 3), (2, 1), (3, 2)], 512) == [
+        [(0, 0, 1), (1, 0, 1), (2, 0, 1), (3, 0, 1)], [(1, 1, 2)], [(3, 1, 1)]]
+    assert split_equal([(0, 2), (2, 2)], 512) == [[(0, 0, 2)], [(2, 0, 2)]]  # slots 0 and 2: two passes
+    assert split_equal([(0, 3), (1, 3), (2, 3)], 512) == [[(0, 0, 3), (1, 0, 3), (2, 0, 3)]]
+    assert split_equal([(0, 10), (1, 10)], 8) == [[(0, 0, 4), (1, 0, 4)], [(0, 4, 4), (1, 4, 4)],
+                                                  [(0, 8, 2), (1, 8, 2)]]
+
+
+def test_split_equal_matches_what_llama_cpp_computes(engine):
+    """The model is right about the rows: a row's logits in a batch of uneven slots equal those of the same rows
+    decoded as the passes split_equal names (no output of llama.cpp says how it split; logits do)."""
+    b = BatchEngine(engine, 4)
+    try:
+        ms = b.ms
+        toks = engine.raw_prompt(PROMPTS[0])[:4]
+        ms.clear()
+        for s in range(4):
+            ms.decode([(s, toks, [])])
+        got = ms.decode([(0, [5], [0]), (1, [6, 7, 8], range(3)), (2, [9], [0]), (3, [10, 11], range(2))])
+        assert [len(g) for g in got] == [1, 3, 1, 2]
+        assert all(np.isfinite(g).all() for g in got)
+    finally:
+        b.close()
+
+
+# ------------------------------------------------------------------ the probe
+def test_the_probe_sees_passes_of_four_rows_from_four_requests(engine):
+    """A build whose logits change only in passes of >= 4 rows (4 requests x 1 row, 2 x 2, ...): the probe must
+    not call batching bit-exact. (The old probe decoded two sequences only, and llama.cpp split its '3 rows of
+    another request' case into 1 + 1 rows and then that request alone: it said bit.)"""
+    b = BatchEngine(engine, 4)
+    try:
+        perturb_big_passes(b.ms)
+        exact, why = b.probe()
+        assert not exact
+        assert "4 x 1" in why and "not bit-identical" in why
+        res = b.probe_result()
+        assert res.shapes[(3, 1)] and not res.shapes[(4, 1)] and not res.shapes[(2, 2)] and res.shapes[(1, 4)]
+    finally:
+        b.close()
+
+
+def test_the_probe_calls_exact_only_what_is(engine):
+    b = BatchEngine(engine, 4)
+    try:
+        exact, why = b.probe()
+        assert exact, why  # F16 weights: a row's sum does not depend on the rows beside it
+        res = b.probe_result()
+        assert all(res.shapes.values()) and (4, b.bit_rows()) in res.shapes
+    finally:
+        b.close()
+
+
+def test_exactness_is_per_request_from_the_passes_it_shared(engine):
+    """Where passes of 4+ rows are not bit-exact: a request that runs alone stays bit; requests that share such a
+    pass report lossless, and why; the texts are still the sequential ones (margins far above the noise)."""
+    b = BatchEngine(engine, 4)
+    try:
+        perturb_big_passes(b.ms)
+        p = [engine.raw_prompt(x) for x in PROMPTS]
+        cfg = lambda: cfg_for("none", exactness="bit")  # noqa: E731
+        one = b.generate_all([(p[0], cfg())])[0]
+        assert one.stats.exactness == "bit", one.stats.exactness_reason
+        # one joining while another generates: its prompt beside 1 row (2 x 1 rows, then the prompt alone), then
+        # 2 x 1 rows a step: below the 4 rows
+        two = staggered(b, [(p[0], cfg()), (p[1], cfg())])
+        assert [two[i].stats.exactness for i in (0, 1)] == ["bit", "bit"], two[1].stats.exactness_reason
+        assert two[1].tokens == alone(engine, p[1], cfg()).tokens
+        # both joining at once: their prompts share passes of 2 x 10 rows: lossless, both
+        both = b.generate_all([(p[2], cfg()), (p[3], cfg())])
+        assert [x.stats.exactness for x in both] == ["lossless", "lossless"]
+        assert "prompt chunk" in both[0].stats.exactness_reason
+        four = b.generate_all([(x, cfg()) for x in p])
+        for x, prompt in zip(four, p):
+            assert x.stats.exactness == "lossless"
+            assert "shared a pass" in x.stats.exactness_reason and "4 x 1" in x.stats.exactness_reason
+            assert x.tokens == alone(engine, prompt, cfg()).tokens
+    finally:
+        b.close()
+
+
+# ------------------------------------------------------------------ one pass a step
+def repeating_prompt(engine, i):
+    """A prompt that repeats the model's own answer: prompt lookup drafts long runs on it."""
+    p = engine.raw_prompt(PROMPTS[i])
+    own = alone(engine, p, cfg_for("none", max_tokens=30)).tokens
+    return p + own + p + own + p
+
+
+def test_slots_with_different_draft_lengths_take_one_pass_and_give_the_same_texts(engine):
+    b = BatchEngine(engine, 4)
+    try:
+        prompts = [repeating_prompt(engine, 0), engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 2),
+                   engine.raw_prompt(PROMPTS[3])]
+        cfgs = [cfg_for("lookup", k=4, exactness="bit"), cfg_for("none"), cfg_for("lookup", k=3, exactness="bit"),
+                cfg_for("none", exactness="bit")]
+        want = [alone(engine, p, c) for p, c in zip(prompts, cfgs)]
+        seen = count_passes(b)
+        b.probe()
+        seen.clear()
+        got = b.generate_all(list(zip(prompts, cfgs)))
+        gen_steps = [(passes, rows) for passes, rows in seen if len(rows) == 4 and max(rows) <= 5]
+        uneven = [rows for passes, rows in gen_steps if len(set(rows)) > 1]
+        assert not uneven  # every 4-slot generating step was padded to equal rows ...
+        assert any(max(rows) > 1 for _, rows in gen_steps)  # ... where some slots drafted
+        assert all(len(passes) == 1 for passes, _ in gen_steps)  # ... so it ran as one pass
+        for g, w in zip(got, want):
+            assert g.tokens == w.tokens and g.text == w.text
+            assert g.stats.exactness == "bit"
+        assert got[0].stats.accepted > 0
+        # unpadded (LOCALSPEC_BATCH_PAD=0): the same texts, in uneven passes
+        b.pad = False
+        seen.clear()
+        again = b.generate_all(list(zip(prompts, cfgs)))
+        assert [g.tokens for g in again] == [w.tokens for w in want]
+        assert any(len(set(rows)) > 1 for _, rows in seen)
+    finally:
+        b.close()
+
+
+def test_no_padding_past_what_a_bit_request_may_share(engine):
+    """Where passes of 4+ rows are not bit-exact, a bit request's 1-row step is not padded up to its neighbour's
+    drafts (that would make the pass inexact): uneven rows stay uneven there."""
+    b = BatchEngine(engine, 2)
+    try:
+        perturb_big_passes(b.ms, min_rows=4)
+        seen = count_passes(b)
+        b.probe()
+        seen.clear()
+        prompts = [engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 0)]
+        cfgs = [cfg_for("none", exactness="bit"), cfg_for("lookup", k=4, exactness="lossless")]
+        got = staggered(b, list(zip(prompts, cfgs)))
+        assert got[0].stats.exactness == "bit", got[0].stats.exactness_reason
+        assert got[0].tokens == alone(engine, prompts[0], cfgs[0]).tokens
+        assert got[1].stats.drafted > 0
+        assert any(len(set(rows)) > 1 for _, rows in seen)
+    finally:
+        b.close()
+
+
+def test_a_new_request_keeps_the_active_slots_consecutive(engine):
+    b = BatchEngine(engine, 4)
+    try:
+        b.runs = [None, object(), None, None]
+        assert b._choose_slot([5, 6, 7], [0, 2, 3]) == 0
+        b.runs = [object(), None, object(), None]
+        assert b._choose_slot([5, 6, 7], [1, 3]) == 1
+        # a long cached prefix wins over consecutiveness (a continued chat)
+        b.runs = [object(), None, None, None]
+        b.ms.tokens[3] = list(range(40))
+        assert b._choose_slot(list(range(40)) + [1], [1, 2, 3]) == 3
+        assert b._choose_slot([7] * 30, [1, 2, 3]) == 1
+    finally:
+        b.runs = [None] * 4
+        b.ms.tokens[3] = []
+        b.close()
