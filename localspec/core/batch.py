@@ -117,7 +117,7 @@ class BatchEngine:
             return "logprobs and logit_bias run on the single-sequence path"
         method = self.engine.resolve_method(cfg)
         if method in SINGLE_METHODS and cfg.k > 0:
-            return f"method {method} runs on the single-sequence path (batches speculate with prompt lookup)"
+            return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
         if method == "draft" and cfg.k > 0 and batch_draft_reason(self.engine):
             return batch_draft_reason(self.engine)
         return ""
