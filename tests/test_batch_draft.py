@@ -1,6 +1,7 @@
 """A draft model in a batch (core/batch_draft.py): every slot drafts with it, the draft decodes shared by all slots,
 and the texts stay those of the single-sequence Engine."""
 
+import os
 import threading
 
 import pytest
@@ -192,3 +193,36 @@ def test_a_recurrent_draft_model_keeps_the_single_path(target_path, tmp_path):
     finally:
         b.close()
         e.close()
+
+
+def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path, monkeypatch):
+    """Through the server's queue: four concurrent `method draft` chats run in the batch, drafting there, and answer
+    what they answer one at a time."""
+    pytest.importorskip("uvicorn")
+    from test_server import Served, _env, running
+    from test_server_batch import at_once, chat, post, text
+    from localspec.server.app import create_app
+    from localspec.server.config import ServerConfig
+    from localspec.session import Session
+
+    for key in list(os.environ):
+        if key.startswith("LOCALSPEC_") and key not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
+            monkeypatch.delenv(key)
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path))
+    sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 4,
+                    "ctx_size": 1024}, quiet=True)
+    sess.load()
+    app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
+    try:
+        with running(app) as url:
+            s = Served(url, app, sess, _env(tmp_path))
+            bodies = [chat(p, max_tokens=30) for p in PROMPTS]
+            alone_ = [text(post(s, b)) for b in bodies]
+            steps0 = app.state.worker.batch.steps
+            got = [text(r) for r in at_once(s, bodies)]
+            assert got == alone_
+            batch = app.state.worker.batch
+            assert batch.steps > steps0 and batch.drafts.ms is not None  # decoded in the batch, drafted there
+    finally:
+        if app.state.worker.stop(timeout=30):
+            sess.close()
