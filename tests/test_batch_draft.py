@@ -226,3 +226,46 @@ def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path
     finally:
         if app.state.worker.stop(timeout=30):
             sess.close()
+
+
+def test_rejected_drafts_are_rolled_out_of_each_slots_draft_sequence(engine, batch):
+    """After every step each slot's draft sequence is a prefix of its context: the rejected drafts are gone."""
+    for p in PROMPTS:
+        batch.add(engine.raw_prompt(p), cfg_for(p_min=0.0, max_tokens=40))
+    rejected = 0
+    while batch.active:
+        runs = [r for r in batch.runs if r is not None]
+        before = [(r.stats.drafted, r.stats.accepted) for r in runs]
+        batch.step()
+        ms = batch.drafts.ms
+        for r, (d0, a0) in zip(runs, before):
+            rejected += (r.stats.drafted - d0) - (r.stats.accepted - a0)
+            held = ms.tokens[r.seq] if ms is not None else []
+            assert held == r.context[:len(held)]
+    assert rejected > 0  # the low-acceptance draft: there were rejections to roll back
+
+
+def test_a_draft_that_ends_the_answer_stops_drafting_for_its_slot(twin):
+    """An end-of-generation draft ends that slot's drafting (nothing after it could be emitted); the other slot
+    drafts on, in the same decodes."""
+    import dataclasses
+
+    from localspec.core.batch_draft import BatchDraft
+    from localspec.core.sampling import bias_vector
+
+    engine, _ = twin
+    eog = next(t for t in range(engine.target.n_vocab) if engine.target.is_eog(t))
+    bd = BatchDraft(engine, 2)
+    try:
+        for d in bd.slots:
+            d.p_min = 0.0
+        plain = SamplingParams()
+        to_eog = dataclasses.replace(plain, bias=bias_vector({eog: 1000.0}, engine.target.n_vocab))
+        ctx = [engine.raw_prompt(PROMPTS[0]), engine.raw_prompt(PROMPTS[1])]
+        bd.draft_for([(bd.slots[0], ctx[0], 4, to_eog, None), (bd.slots[1], ctx[1], 4, plain, None)])
+        assert bd.slots[0].ready.tokens == [eog]
+        assert len(bd.slots[1].ready.tokens) == 4
+        assert (bd.catch_up_decodes, bd.draft_decodes) == (1, 3)
+        assert bd.ms.tokens[0] == ctx[0]  # the end-of-generation draft was not decoded
+    finally:
+        bd.close()
