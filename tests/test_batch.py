@@ -159,7 +159,7 @@ def test_a_continued_conversation_reuses_its_slot_cache(engine, batch):
 def test_what_takes_the_single_sequence_path(engine, batch):
     assert batch.single_reason(cfg_for("lookup")) == ""
     assert batch.single_reason(cfg_for("auto")) == ""
-    assert "draft" in batch.single_reason(cfg_for("draft"))
+    assert batch.single_reason(cfg_for("draft")) == ""  # the draft model drafts in the batch (test_batch_draft.py)
     c = cfg_for("none")
     c.constraint = object()
     assert "grammar" in batch.single_reason(c)
@@ -168,7 +168,7 @@ def test_what_takes_the_single_sequence_path(engine, batch):
     assert "logprobs" in batch.single_reason(cfg_for("lookup", logprobs=2))
     assert "logit_bias" in batch.single_reason(cfg_for("lookup", logit_bias={5: -100.0}))
     with pytest.raises(UsageError):
-        batch.add(engine.raw_prompt(PROMPTS[0]), cfg_for("draft"))
+        batch.add(engine.raw_prompt(PROMPTS[0]), c)
 
 
 def test_bad_prompts_are_errors_not_crashes(engine, batch):

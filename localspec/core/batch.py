@@ -10,11 +10,12 @@ between steps; a finished slot's cache stays, so the next request with the same 
 
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
 
-Speculation in a batch: prompt lookup (one drafter per slot, with its own index). `method auto` uses prompt lookup
-only here; the draft model, EAGLE-3/MTP heads and grammar-constrained requests take the single-sequence Engine
-(`single_reason` says why). The adaptive controller sees each slot's share of the batch's decode time (the step's
-time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the batch a
-drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
+Speculation in a batch: prompt lookup (one drafter per slot, with its own index) and the draft model (one sequence
+per slot; every drafting slot's draft decodes share one batch: core/batch_draft.py); `method auto` chooses between
+them per slot. EAGLE-3/MTP heads, recurrent draft models and grammar-constrained requests take the single-sequence
+Engine (`single_reason` says why). The adaptive controller sees each slot's share of the batch's decode time (the
+step's time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the
+batch a drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
 
 Exactness: llama.cpp's logits for a row may depend on what else is in its forward pass and on where its KV cells
 lie. By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in
@@ -47,6 +48,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from localspec.core import defaults as D
+from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.engine import Engine, Finished, GenConfig, Piece, _env_allows_inexact, _fit_ctx
 from localspec.core.policy import AdaptivePolicy, FixedPolicy
 from localspec.core.sampling import probs, sample
@@ -63,7 +65,7 @@ PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with fiv
               "def f(x): return x + 1")
 PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compared (whether GEMM and GEMV rows
 # round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
-SINGLE_METHODS = ("draft", "eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
+SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
 
 
 @dataclass
@@ -122,6 +124,7 @@ class BatchEngine:
             unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
         self.ms = MultiSeq(engine.target, n_slots, unified=unified)
         self.pad = pad if pad is not None else os.environ.get("LOCALSPEC_BATCH_PAD", "1") not in ("0", "")
+        self.drafts = BatchDraft.for_engine(engine, n_slots, unified=unified)  # the draft model, batched (or None)
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.prefill_chunk = max(1, int(prefill_chunk))
@@ -149,7 +152,9 @@ class BatchEngine:
             return "logprobs and logit_bias run on the single-sequence path"
         method = self.engine.resolve_method(cfg)
         if method in SINGLE_METHODS and cfg.k > 0:
-            return f"method {method} runs on the single-sequence path (batches speculate with prompt lookup)"
+            return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
+        if method == "draft" and cfg.k > 0 and batch_draft_reason(self.engine):
+            return batch_draft_reason(self.engine)
         return ""
 
     def probe(self) -> tuple[bool, str]:
@@ -329,16 +334,21 @@ class BatchEngine:
             d = self.lookups[seq]
             if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
                 d = self.lookups[seq] = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
+            drafters = {"lookup": d} if method in ("auto", "lookup") else {}
+            if self.drafts is not None and method in ("auto", "draft"):
+                drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
             if adaptive:
                 bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
                 k_max = cfg.k if bit_cap is not None else k
-                policy, label = AdaptivePolicy({"lookup": d}, k_max, self.controller_state, bit_cap=bit_cap), method
+                policy, label = AdaptivePolicy(drafters, k_max, self.controller_state, bit_cap=bit_cap), method
             else:
-                policy, label = FixedPolicy(d, k), "lookup"
+                label = "draft" if "draft" in drafters else "lookup"
+                policy = FixedPolicy(drafters[label], k)
         stats = Stats(method=label, k_cap=k, exactness=level, exactness_reason=why)
+        stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
         if label != "none" and k < cfg.k:
             stats.reason = f"k capped at {k}: bigger verify batches are not bit-exact with this model/build"
-        if method == "auto" and label != "none":
+        if method == "auto" and label != "none" and "draft" not in policy.drafters:
             stats.reason = "; ".join(x for x in (stats.reason, "batched: auto speculates with prompt lookup") if x)
         stats.prompt_tokens = len(prompt)
         stats.cached_prompt_tokens = common
@@ -377,7 +387,7 @@ class BatchEngine:
         budget = ms.n_batch
         gen = [r for r in self._live() if not r.prefill]
         budget -= len(gen)  # one row each for the pending tokens
-        parts, owners = [], []
+        parts, owners, chosen = [], [], []
         for run in gen:
             cfg, st = run.cfg, run.stats
             remaining = cfg.max_tokens - st.completion_tokens
@@ -388,14 +398,20 @@ class BatchEngine:
                 continue
             drafter, k = run.policy.choose(run.context)
             k = max(0, min(k, remaining - 1, room, budget))
+            budget -= k  # held for its drafts; what the drafter leaves unused comes back below
+            chosen.append((run, drafter, k))
+        shared = self.drafts.draft(chosen) if self.drafts is not None else {}  # the draft model: all slots at once
+        for run, drafter, k in chosen:
+            cfg, st = run.cfg, run.stats
             td = time.perf_counter()
             proposal = drafter.propose(run.context, k, cfg.sampling, run.rng) if (drafter is not None and k > 0) \
                 else Proposal()
-            st.draft_s += time.perf_counter() - td
-            budget -= len(proposal.tokens)
+            t_draft = time.perf_counter() - td + shared.get(run.seq, 0.0)
+            st.draft_s += t_draft
+            budget += k - len(proposal.tokens)
             base = len(ms.tokens[run.seq])
             toks = [run.context[-1], *proposal.tokens]
-            run.step = (drafter, k, proposal, base, time.perf_counter() - td)
+            run.step = (drafter, k, proposal, base, None if proposal.catch_up_s > 0.0 else t_draft)
             parts.append((run.seq, toks, range(len(toks))))
             owners.append(run)
         for run in self._live():
@@ -581,6 +597,8 @@ class BatchEngine:
         dropped = [r for r in self.runs if r is not None]
         self.runs = [None] * self.n_slots
         self.ms.clear()
+        if self.drafts is not None:
+            self.drafts.clear()
         return dropped
 
     # ------------------------------------------------------------ helpers
@@ -597,6 +615,8 @@ class BatchEngine:
 
     def close(self) -> None:
         self.ms.close()
+        if self.drafts is not None:
+            self.drafts.close()
 
 
 def _store(results: list, i: int):

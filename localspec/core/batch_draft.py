@@ -1,0 +1,267 @@
+"""A draft model that drafts for every slot of a BatchEngine in one batch (issue #24).
+
+The single-sequence path drafts with drafters/draft_model.py: the draft model's own context, one sequence. Here the
+draft model gets a MultiSeq (llama/multiseq.py: a second context on its weights) with one sequence per slot, and a
+step drafts for every slot that chose the draft model together:
+
+1. catch-up: each drafting slot's sequence is rolled back to what it shares with the slot's context and the rest
+   of the context is decoded (logits at each slot's last row) - every slot's catch-up rows in ONE decode (more
+   only when they do not fit one batch: a long prompt's first draft);
+2. k rounds of one decode with one row per slot still drafting (greedy argmax, or a sample from q shaped like the
+   target's p with the request's own rng; the q rows are kept for speculative sampling; the request's logit_bias
+   on the rows, as the single path's draft_loop does). A slot stops early when the draft model is unsure (p_min,
+   as DraftModelDrafter) or drafts an end-of-generation token (nothing after it can be emitted);
+3. after the target's verify, each slot's rejected draft rows are removed from its sequence (`accept`).
+
+So the draft model's decodes per step are one catch-up decode plus at most k draft decodes, for all drafting slots
+together, instead of (1 + k) per slot. Each slot's policy sees a `SlotDrafter` (name "draft", the Drafter contract):
+its propose() hands over what this step's batch drafted for it, and its time is the slot's share of the batch's
+draft time (its rows over all rows), as the target's verify time is shared in core/batch.py.
+
+Draft models do not change the exactness level: the target verifies every token. A batched draft need not be
+bit-identical to the single-sequence draft (it is on the CPU builds measured, where the texts then match the
+single path's even when sampling).
+
+Recurrent/hybrid draft models (rollback_kind != "kv") cannot share a batch (MultiSeq refuses them): draft-model
+requests then keep the single-sequence path (BatchEngine.single_reason says so).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import numpy as np
+
+from localspec.core.sampling import SamplingParams, biased, probs, sample
+from localspec.drafters.base import Drafter, Proposal
+from localspec.seq import common_prefix
+
+CATCH_UP_TIMED = 2  # catch-up rows beyond this make a step's draft time a catch-up, not a per-token cost (as the
+# single path: after a fully accepted proposal a slot decodes its last draft and the target's bonus token)
+
+
+def batch_draft_reason(engine) -> str:
+    """Why draft-model requests cannot be batched with `engine`'s draft model ('' when they can)."""
+    draft = engine.draft
+    if draft is None:
+        return ""
+    kind = getattr(draft, "rollback_kind", "kv")
+    if kind != "kv":
+        return (f"the draft model {draft.name} keeps a recurrent state ({kind} rollback): draft-model requests run "
+                "on the single-sequence path")
+    return ""
+
+
+class SlotDrafter(Drafter):
+    """One slot's view of the batched draft model (what its policy chooses and gets feedback on)."""
+
+    name = "draft"
+    prior_alpha = 0.6
+
+    def __init__(self, owner: "BatchDraft", seq: int) -> None:
+        self.owner = owner
+        self.seq = seq
+        self.p_min = 0.75
+        self.ready: Proposal | None = None  # what this step's batch drafted for this slot
+        self.base = 0  # the slot's context length when it was drafted (its sequence then holds context + drafts)
+        self.decoded = 0  # drafts of that proposal decoded into the sequence
+
+    def cost(self) -> float | None:
+        return self.owner.cost
+
+    def lag(self, context: Sequence[int]) -> int:
+        return len(context) - common_prefix(self.owner.tokens(self.seq), context)
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        """This step's proposal, drafted in the batch (BatchDraft.draft) before the target's rows were gathered."""
+        out, self.ready = self.ready, None
+        if out is None:  # not drafted in a batch this step (a caller outside BatchEngine): a batch of one
+            self.owner.draft_for([(self, context, k, sp, rng)])
+            out, self.ready = self.ready, None
+        if len(out.tokens) > k:
+            out = Proposal(out.tokens[:k], None if out.q is None else out.q[:k], out.catch_up_s)
+        return out
+
+    def accept(self, n_drafted: int, n_accepted: int) -> None:
+        """Roll the rejected drafts out of the slot's sequence (the accepted ones are context now)."""
+        self.owner.truncate(self.seq, self.base + min(n_accepted, self.decoded))
+
+
+class BatchDraft:
+    """The draft model of `engine` with one sequence per slot, decoded together. Not thread-safe (the BatchEngine's
+    thread). The MultiSeq is made at the first draft, so a server whose requests never use the draft model does not
+    hold its KV cache."""
+
+    def __init__(self, engine, n_slots: int, *, unified: bool = False) -> None:
+        self.model = engine.draft
+        self.target = engine.target
+        self.n_vocab = engine.target.n_vocab
+        self.n_slots = n_slots
+        self.unified = unified
+        self.cost = self.model.size_bytes() / max(self.target.size_bytes(), 1)  # decoding is memory-bound
+        self.ms = None
+        self.slots = [SlotDrafter(self, s) for s in range(n_slots)]
+        self.catch_up_decodes = 0  # decodes of the last draft() (tests, measurements)
+        self.draft_decodes = 0
+
+    @classmethod
+    def for_engine(cls, engine, n_slots: int, *, unified: bool = False) -> "BatchDraft | None":
+        """None when the engine has no draft model, or one that cannot share a batch."""
+        if engine.draft is None or batch_draft_reason(engine):
+            return None
+        return cls(engine, n_slots, unified=unified)
+
+    # ------------------------------------------------------------ sequences
+    def _multiseq(self):
+        if self.ms is None:
+            from localspec.llama.multiseq import MultiSeq
+
+            self.ms = MultiSeq(self.model, self.n_slots, unified=self.unified)
+        return self.ms
+
+    def tokens(self, seq: int) -> list[int]:
+        return self.ms.tokens[seq] if self.ms is not None else []
+
+    def truncate(self, seq: int, n_keep: int) -> None:
+        if self.ms is not None:
+            self.ms.truncate(seq, n_keep)
+
+    def drafter(self, seq: int, p_min: float) -> SlotDrafter:
+        d = self.slots[seq]
+        d.p_min = p_min
+        d.ready = None
+        return d
+
+    def clear(self) -> None:
+        if self.ms is not None:
+            self.ms.clear()
+
+    def close(self) -> None:
+        if self.ms is not None:
+            self.ms.close()
+            self.ms = None
+
+    # ------------------------------------------------------------ one step
+    def draft(self, chosen) -> dict[int, float]:
+        """Draft for every (run, drafter, k) in `chosen` whose drafter is one of this model's slots, in one batch
+        (`run`: a BatchEngine request, with seq, context, cfg.sampling and rng). Each SlotDrafter then holds its
+        proposal for propose(). Returns seq -> that slot's share of the draft time, in seconds."""
+        work = [(d, run.context, k, run.cfg.sampling, run.rng) for run, d, k in chosen
+                if k > 0 and isinstance(d, SlotDrafter) and d.owner is self]
+        return self.draft_for(work) if work else {}
+
+    def draft_for(self, work: list[tuple[SlotDrafter, Sequence[int], int, SamplingParams, np.random.Generator]]
+                  ) -> dict[int, float]:
+        ms = self._multiseq()
+        self.catch_up_decodes = self.draft_decodes = 0
+        slots = []
+        for d, context, k, sp, rng in work:
+            k = min(k, ms.n_ctx - len(context) - 1)  # the draft decodes at most k-1 tokens after the context
+            if k <= 0:
+                d.ready = Proposal()
+                continue
+            common = common_prefix(ms.tokens[d.seq], context)
+            if common == len(context):
+                common -= 1  # the last context token is decoded again for its logits
+            ms.truncate(d.seq, common)
+            slots.append(_Slot(d, list(context[common:]), k, sp, rng, len(context)))
+        if not slots:
+            return {}
+        t0 = time.perf_counter()
+        self._catch_up(slots)
+        t1 = time.perf_counter()
+        self._rounds(slots)
+        t2 = time.perf_counter()
+        rows_c = sum(s.n_catch_up for s in slots)
+        rows_d = sum(s.decoded for s in slots) or 1
+        shares = {}
+        for s in slots:
+            catch = (t1 - t0) * s.n_catch_up / rows_c
+            drafted = (t2 - t1) * s.decoded / rows_d
+            d = s.drafter
+            d.base, d.decoded = s.base, s.decoded
+            d.ready = Proposal(s.tokens, np.stack(s.qs) if s.qs else None,
+                               catch if s.n_catch_up > CATCH_UP_TIMED else 0.0)
+            shares[d.seq] = catch + drafted
+        return shares
+
+    def _catch_up(self, slots: list["_Slot"]) -> None:
+        """Decode every slot's missing context tokens, as few decodes as fit: logits at each slot's last one."""
+        ms = self.ms
+        todo = {id(s): 0 for s in slots}  # rows of each slot decoded so far
+        while any(todo[id(s)] < s.n_catch_up for s in slots):
+            budget, parts, owners = ms.n_batch, [], []
+            for s in slots:
+                done = todo[id(s)]
+                n = min(s.n_catch_up - done, budget)
+                if n <= 0:
+                    continue
+                last = done + n == s.n_catch_up
+                parts.append((s.drafter.seq, s.pending[done:done + n], [n - 1] if last else []))
+                owners.append((s, last))
+                todo[id(s)] = done + n
+                budget -= n
+            outs = ms.decode(parts, copy=False)
+            self.catch_up_decodes += 1
+            for (s, last), rows in zip(owners, outs):
+                if last:
+                    s.row = self._to_target(rows[0])
+
+    def _rounds(self, slots: list["_Slot"]) -> None:
+        """Up to k rounds: each slot still drafting takes a token from its row; one decode gives every slot its
+        next row."""
+        ms = self.ms
+        live = list(slots)
+        for i in range(max(s.k for s in slots)):
+            nxt = []
+            for s in live:
+                row = biased(s.row, s.sp.bias)
+                if s.p_min > 0.0 and 1.0 / float(np.exp(row - row.max()).sum()) < s.p_min:
+                    continue  # the draft model is unsure here (its own confidence at temperature 1)
+                if s.sp.greedy:
+                    t = int(np.argmax(row))
+                else:
+                    q = probs(row, s.sp)
+                    t = sample(q, s.rng)
+                    s.qs.append(q)
+                s.tokens.append(t)
+                if len(s.tokens) < s.k and not self.target.is_eog(t):
+                    nxt.append(s)
+            if not nxt:
+                break
+            outs = ms.decode([(s.drafter.seq, [s.tokens[-1]], [0]) for s in nxt], copy=False)
+            self.draft_decodes += 1
+            for s, rows in zip(nxt, outs):
+                s.row = self._to_target(rows[0])
+                s.decoded += 1
+            live = nxt
+
+    def _to_target(self, logits: np.ndarray) -> np.ndarray:
+        """Draft logits over the target's vocabulary (a token the target lacks is never proposed), copied: the
+        decode buffer is reused by the next decode."""
+        n = self.n_vocab
+        if logits.shape[-1] >= n:
+            return np.array(logits[:n], copy=True)
+        row = np.full(n, -np.inf, dtype=logits.dtype)
+        row[: logits.shape[-1]] = logits
+        return row
+
+
+class _Slot:
+    """One slot's drafting in this step."""
+
+    def __init__(self, drafter: SlotDrafter, pending: list[int], k: int, sp: SamplingParams,
+                 rng: np.random.Generator, base: int) -> None:
+        self.drafter = drafter
+        self.pending = pending  # context tokens its sequence lacks (at least the last one)
+        self.n_catch_up = len(pending)
+        self.k = k
+        self.sp = sp
+        self.rng = rng
+        self.p_min = drafter.p_min
+        self.base = base
+        self.row: np.ndarray | None = None
+        self.tokens: list[int] = []
+        self.qs: list[np.ndarray] = []
+        self.decoded = 0  # drafted tokens decoded into its sequence (all but a last one that needed no row)
