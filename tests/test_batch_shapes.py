@@ -165,7 +165,7 @@ def repeating_prompt(engine, i):
 
 
 def test_slots_with_different_draft_lengths_take_one_pass_and_give_the_same_texts(engine):
-    b = BatchEngine(engine, 4)
+    b = BatchEngine(engine, 4, pad=True)
     try:
         prompts = [repeating_prompt(engine, 0), engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 2),
                    engine.raw_prompt(PROMPTS[3])]
@@ -230,4 +230,59 @@ def test_a_new_request_keeps_the_active_slots_consecutive(engine):
     finally:
         b.runs = [None] * 4
         b.ms.tokens[3] = []
+        b.close()
+
+
+def test_padding_only_where_the_verify_curve_says_one_padded_pass_is_cheaper(engine, monkeypatch):
+    """On a compute-bound CPU every row costs about half a step, and padding rows [1,3,1,2] to [3,3,3,3] cost more
+    than the three passes it saved (Qwen2.5-Coder-1.5B, 2 cores: 657 vs 451 ms); on a GPU rows are nearly free and
+    each pass is what costs. By default the step pads only where the target's calibrated curve says it pays."""
+    b = BatchEngine(engine, 4)
+    try:
+        assert b.pad is None  # by cost
+        cpu = {1: 1.0, 2: 1.60, 3: 2.19, 4: 2.67, 5: 3.27, 6: 3.81, 7: 4.46, 8: 6.64, 9: 7.07}
+        gpu = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 10)}
+        rows = [(0, 1), (1, 3), (2, 1), (3, 2)]
+        b._curve = cpu
+        assert not b._padding_pays(rows, 3)
+        b._curve = gpu
+        assert b._padding_pays(rows, 3)
+        # the steps themselves: with the CPU curve, uneven slots stay uneven
+        b._curve = cpu
+        seen = count_passes(b)
+        b.probe()
+        seen.clear()
+        prompts = [repeating_prompt(engine, 0), engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 2),
+                   engine.raw_prompt(PROMPTS[3])]
+        cfgs = [cfg_for("lookup", k=4, exactness="bit"), cfg_for("none"), cfg_for("lookup", k=3, exactness="bit"),
+                cfg_for("none", exactness="bit")]
+        b.generate_all(list(zip(prompts, cfgs)))
+        assert any(len(set(r)) > 1 for _, r in seen if len(r) == 4)
+        b._curve = gpu
+        seen.clear()
+        b.generate_all(list(zip(prompts, cfgs)))
+        assert not [r for _, r in seen if len(r) == 4 and max(r) <= 5 and len(set(r)) > 1]
+    finally:
+        b.close()
+
+
+def test_a_request_that_leaves_bit_in_a_batch_drops_the_bit_k_cap(engine, monkeypatch):
+    """A bit request's k is capped where bigger verify batches are not bit-exact; once a shared pass has made it
+    lossless the cap only costs speed, so it drafts up to the k it asked for."""
+    monkeypatch.setattr(engine, "exact_k", lambda k, cancel=None: min(k, 2))  # a CPU build's cap: k <= 2
+    b = BatchEngine(engine, 4)
+    try:
+        perturb_big_passes(b.ms, min_rows=4)
+        engine_cap = b.bit_rows() - 1
+        assert engine_cap == 2
+        b.probe()
+        prompts = [repeating_prompt(engine, i) for i in range(4)]
+        cfgs = [cfg_for("lookup", k=6, exactness="bit") for _ in range(4)]
+        got = b.generate_all(list(zip(prompts, cfgs)))
+        lossless = [g for g in got if g.stats.exactness == "lossless"]
+        assert lossless, [g.stats.exactness_reason for g in got]
+        for g in lossless:
+            assert g.stats.k_cap == 6
+        assert any(max(int(k) for k in g.stats.k_used) > engine_cap for g in lossless)
+    finally:
         b.close()

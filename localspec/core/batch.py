@@ -123,7 +123,8 @@ class BatchEngine:
         if unified is None:
             unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
         self.ms = MultiSeq(engine.target, n_slots, unified=unified)
-        self.pad = pad if pad is not None else os.environ.get("LOCALSPEC_BATCH_PAD", "1") not in ("0", "")
+        env = os.environ.get("LOCALSPEC_BATCH_PAD", "")
+        self.pad: bool | None = pad if pad is not None else (None if env == "" else env not in ("0",))  # None: by cost
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=unified)  # the draft model, batched (or None)
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
@@ -132,6 +133,7 @@ class BatchEngine:
         self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
         self.controller_state: dict = {}
         self._exact: ProbeResult | None = None
+        self._curve: dict[int, float] | None = None  # the target's T(b)/T(1), once asked for
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
 
@@ -340,7 +342,12 @@ class BatchEngine:
             if adaptive:
                 bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
                 k_max = cfg.k if bit_cap is not None else k
-                policy, label = AdaptivePolicy(drafters, k_max, self.controller_state, bit_cap=bit_cap), method
+                # the calibrated T(b)/T(1), as the single path: a slot's drafted rows cost what the machine's verify
+                # curve says (about one step each on a compute-bound CPU, next to nothing on a GPU), its live T(1) is
+                # its share of a step
+                policy = AdaptivePolicy(drafters, k_max, self.controller_state, None,
+                                        self.engine.verify_costs(k_max + 1), bit_cap=bit_cap)
+                label = method
             else:
                 label = "draft" if "draft" in drafters else "lookup"
                 policy = FixedPolicy(drafters[label], k)
@@ -451,7 +458,7 @@ class BatchEngine:
         slot to the step's most rows with filler rows (their logits are not used; they are rolled back with the
         rejected drafts), where the cache has room and, for a request still at bit, the padded pass shape is
         bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
-        if not self.pad or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
+        if self.pad is False or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
             return
         r = max(len(p[1]) for p in parts)
         if all(len(p[1]) == r for p in parts) or r * len(parts) > self.ms.n_batch:
@@ -459,6 +466,8 @@ class BatchEngine:
         for run in owners:
             if len(self.ms.tokens[run.seq]) + r > self.n_ctx:
                 return
+        if self.pad is None and not self._padding_pays([(p[0], len(p[1])) for p in parts], r):
+            return
         bit = {run.seq for run in owners if run.stats.exactness == "bit"}
         for ub in self.ms.passes([(p[0], r) for p in parts]):
             if bit & {seq for seq, _, _ in ub} and not self.shape_exact(len(ub), r):
@@ -467,6 +476,20 @@ class BatchEngine:
             if len(toks) < r:
                 toks = self._more_drafts(run, toks, r)
                 parts[j] = (seq, [*toks, *[toks[-1]] * (r - len(toks))], range(r))
+
+    def _padding_pays(self, rows: list[tuple[int, int]], r: int) -> bool:
+        """Whether one padded pass (every slot at r rows) costs less than the passes llama.cpp splits the step into,
+        on the target's calibrated verify curve (a pass of b rows costs T(b)/T(1) steps, extended along its last
+        slope). On a compute-bound CPU every row costs about half a step, and the filler rows cost more than the
+        passes they save (Qwen2.5-Coder-1.5B, 2 cores: rows [1,3,1,2] 451 ms in 3 passes, padded to [3,3,3,3]
+        657 ms in one); on a GPU rows are nearly free and a pass is what costs. Without a calibration: only with
+        GPU layers."""
+        curve = self.engine.verify_costs(2) if self._curve is None else self._curve
+        self._curve = curve or {}
+        if not self._curve:
+            return getattr(self.target, "n_gpu_layers", 0) > 0
+        split = sum(_pass_cost(self._curve, len(ub) * ub[0][2]) for ub in self.ms.passes(rows))
+        return _pass_cost(self._curve, r * len(rows)) < split
 
     def _more_drafts(self, run: _Run, toks: list[int], r: int) -> list[int]:
         """A padded greedy prompt-lookup slot drafts into its padding where the lookup has more (rows the step
@@ -506,6 +529,18 @@ class BatchEngine:
                 st.exactness_reason = (f"lossless: batched, and from token {st.completion_tokens + 1} it shared a "
                                        f"pass {what}, and {res.why} here; every token is still the target's "
                                        "choice in the pass that emitted it")
+                self._uncap(run)
+
+    def _uncap(self, run: _Run) -> None:
+        """A request no longer at bit has no reason to keep the bit k cap: k up to what it asked for."""
+        pol, k = run.policy, run.cfg.k
+        if isinstance(pol, AdaptivePolicy):
+            pol.bit_cap = None
+            pol.k_max = max(pol.k_max, k)
+        elif isinstance(pol, FixedPolicy) and pol.drafter is not None:
+            pol.k = max(pol.k, k)
+        if run.stats.k_cap < k and pol.drafters:
+            run.stats.k_cap = k
 
     def _release_finished(self) -> None:
         for run in self.runs:
@@ -617,6 +652,15 @@ class BatchEngine:
         self.ms.close()
         if self.drafts is not None:
             self.drafts.close()
+
+
+def _pass_cost(curve: dict[int, float], b: int) -> float:
+    """T(b)/T(1) on a calibrated curve, extended beyond its largest b along its last slope."""
+    if b in curve:
+        return curve[b]
+    top = max(curve)
+    slope = (curve[top] - curve[top - 1]) if top - 1 in curve else 1.0
+    return curve[top] + max(slope, 0.0) * (b - top)
 
 
 def _store(results: list, i: int):
