@@ -286,3 +286,41 @@ def test_a_request_that_leaves_bit_in_a_batch_drops_the_bit_k_cap(engine, monkey
         assert any(max(int(k) for k in g.stats.k_used) > engine_cap for g in lossless)
     finally:
         b.close()
+
+
+def test_a_slots_drafted_rows_are_priced_by_what_they_cost_the_whole_batch(engine):
+    """Over separate KV streams a slot's drafted rows run as a pass of their own beside the others' one-row steps, so
+    on a compute-bound CPU a 2-row verify in a 4-slot step costs 2.5 plain-step shares, not the 1.6 of the target
+    alone; in one unified cache they join the pass; on a GPU they cost next to nothing. The slots' controllers get
+    those prices each step (alone: the calibrated curve itself)."""
+    from localspec.core.batch import batch_ratios
+
+    cpu = {1: 1.0, 2: 1.60, 3: 2.19, 4: 2.67, 5: 3.27, 6: 3.81, 7: 4.46, 8: 6.64, 9: 7.07}
+    gpu = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 10)}
+    assert batch_ratios(cpu, 1, False, True, 9) == cpu
+    streams, unified = batch_ratios(cpu, 4, False, True, 9), batch_ratios(cpu, 4, True, True, 9)
+    assert streams[2] == pytest.approx(1 + 1.0 / (2.67 / 4))  # T(4) + T(1), over T(4)/4 a share
+    assert cpu[2] < unified[2] < streams[2]
+    assert max(batch_ratios(gpu, 4, True, True, 9)[b] for b in range(1, 6)) < 1.35
+    b = BatchEngine(engine, 4)
+    try:
+        b._curve = cpu
+        b.probe()
+        prompts = [repeating_prompt(engine, i) for i in range(4)]
+        for p in prompts:
+            b.add(p, cfg_for("auto", k=4))
+        while any(r is not None and r.prefill for r in b.runs):
+            b.step()
+        b.step()
+        pol = next(r.policy for r in b.runs if r is not None)
+        assert pol.curve.prior[2] == pytest.approx(batch_ratios(cpu, 4, False, b.pad is not False, 9)[2])
+        while b.active:
+            b.step()
+        b.add(prompts[0], cfg_for("auto", k=4))
+        while b.active:
+            b.step()
+            run = next((r for r in b.runs if r is not None), None)
+            if run is not None and not run.prefill:
+                assert run.policy.curve.prior[2] == pytest.approx(cpu[2])  # alone: the target's own curve
+    finally:
+        b.close()

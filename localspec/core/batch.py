@@ -65,6 +65,7 @@ PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with fiv
               "def f(x): return x + 1")
 PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compared (whether GEMM and GEMV rows
 # round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
+MAX_ROWS = 65  # a verify's rows at most (k <= 64)
 SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
 
 
@@ -134,6 +135,7 @@ class BatchEngine:
         self.controller_state: dict = {}
         self._exact: ProbeResult | None = None
         self._curve: dict[int, float] | None = None  # the target's T(b)/T(1), once asked for
+        self._ratios: dict[tuple, dict[int, float]] = {}  # (generating slots, unified) -> a slot's verify prices
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
 
@@ -393,6 +395,7 @@ class BatchEngine:
         ms = self.ms
         budget = ms.n_batch
         gen = [r for r in self._live() if not r.prefill]
+        self._price_rows(len(gen))
         budget -= len(gen)  # one row each for the pending tokens
         parts, owners, chosen = [], [], []
         for run in gen:
@@ -477,6 +480,32 @@ class BatchEngine:
                 toks = self._more_drafts(run, toks, r)
                 parts[j] = (seq, [*toks, *[toks[-1]] * (r - len(toks))], range(r))
 
+    def _price_rows(self, n: int) -> None:
+        """What a slot's drafted rows cost this step, for the slots' controllers (Must-have: k per request from the
+        cost of the whole batch). Each slot is timed by its share of the step (a plain step: the step / n), and a
+        verify of b rows is priced at 1 + (C(b) - C(1)) / (C(1) / n), where C is the step's cost with this slot at
+        b rows and the other n - 1 at one, in passes as llama.cpp runs them (multiseq.split_equal) on the target's
+        calibrated curve: over separate KV streams the b - 1 drafted rows run as a pass of their own (or the step
+        is padded, where that is cheaper), in one unified cache they join the pass. Alone (n = 1) that is the
+        single-sequence curve itself. On a 2-core CPU with 4 slots a 2-row verify then costs 2.5 shares (1.6 alone):
+        other requests' rows fill the machine; on a GPU about one."""
+        curve = self._calibrated()
+        if not curve:
+            return
+        key = (n, self.ms.unified)
+        ratios = self._ratios.get(key)
+        if ratios is None:
+            ratios = self._ratios[key] = batch_ratios(curve, n, self.ms.unified, self.pad is not False, MAX_ROWS)
+        for run in self._live():
+            pol = run.policy
+            if isinstance(pol, AdaptivePolicy):
+                pol.curve.prior = ratios
+
+    def _calibrated(self) -> dict[int, float]:
+        if self._curve is None:
+            self._curve = self.engine.verify_costs(2) or {}
+        return self._curve
+
     def _padding_pays(self, rows: list[tuple[int, int]], r: int) -> bool:
         """Whether one padded pass (every slot at r rows) costs less than the passes llama.cpp splits the step into,
         on the target's calibrated verify curve (a pass of b rows costs T(b)/T(1) steps, extended along its last
@@ -484,9 +513,7 @@ class BatchEngine:
         passes they save (Qwen2.5-Coder-1.5B, 2 cores: rows [1,3,1,2] 451 ms in 3 passes, padded to [3,3,3,3]
         657 ms in one); on a GPU rows are nearly free and a pass is what costs. Without a calibration: only with
         GPU layers."""
-        curve = self.engine.verify_costs(2) if self._curve is None else self._curve
-        self._curve = curve or {}
-        if not self._curve:
+        if not self._calibrated():
             return getattr(self.target, "n_gpu_layers", 0) > 0
         split = sum(_pass_cost(self._curve, len(ub) * ub[0][2]) for ub in self.ms.passes(rows))
         return _pass_cost(self._curve, r * len(rows)) < split
@@ -661,6 +688,25 @@ def _pass_cost(curve: dict[int, float], b: int) -> float:
     top = max(curve)
     slope = (curve[top] - curve[top - 1]) if top - 1 in curve else 1.0
     return curve[top] + max(slope, 0.0) * (b - top)
+
+
+def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, upto: int) -> dict[int, float]:
+    """b -> what a slot's verify of b rows costs in its plain-step shares, when it shares each step with n - 1
+    one-row slots (see BatchEngine._price_rows): 1 + (C(b) - C(1)) / (C(1) / n)."""
+    n = max(1, int(n))
+    if n == 1:
+        return {b: _pass_cost(curve, b) for b in range(1, upto + 1)}
+    base = _pass_cost(curve, n)
+    out = {}
+    for b in range(1, upto + 1):
+        if unified:
+            c = _pass_cost(curve, n + b - 1)
+        else:
+            c = base + (_pass_cost(curve, b - 1) if b > 1 else 0.0)
+            if may_pad and b > 1:
+                c = min(c, _pass_cost(curve, n * b))
+        out[b] = 1.0 + (c - base) / (base / n)
+    return out
 
 
 def _store(results: list, i: int):
