@@ -13,9 +13,11 @@ Invariant per slot, as in core/engine.py: the slot's sequence holds every contex
 Speculation in a batch: prompt lookup (one drafter per slot, with its own index) and the draft model (one sequence
 per slot; every drafting slot's draft decodes share one batch: core/batch_draft.py); `method auto` chooses between
 them per slot. EAGLE-3/MTP heads, recurrent draft models and grammar-constrained requests take the single-sequence
-Engine (`single_reason` says why). The adaptive controller sees each slot's share of the batch's decode time (the
-step's time times its rows over all rows), so when the machine is compute-bound and other requests' rows fill the
-batch a drafted row costs what it really costs, and k per request follows from the measured cost of the whole batch.
+Engine (`single_reason` says why). The adaptive controller of each slot is timed by its share of the step's decode
+time (the step's time times its rows over all rows) and prices a verify of b rows by what it costs the whole step
+(`_price_rows`: the passes llama.cpp makes of this slot at b rows beside the others, on the target's calibrated
+curve), so when the machine is compute-bound and other requests' rows fill the batch a drafted row costs what it
+really costs, and k per request follows from the cost of the whole batch.
 
 Exactness: llama.cpp's logits for a row may depend on what else is in its forward pass and on where its KV cells
 lie. By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in
