@@ -33,8 +33,9 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, biased, probs, sample
-from localspec.drafters.base import Drafter, Proposal
+from localspec.core.sampling import SamplingParams
+from localspec.drafters.base import Drafter, Proposal, draft_token
+from localspec.drafters.draft_model import confident, target_row
 from localspec.seq import common_prefix
 
 CATCH_UP_TIMED = 2  # catch-up rows beyond this make a step's draft time a catch-up, not a per-token cost (as the
@@ -216,14 +217,10 @@ class BatchDraft:
         for i in range(max(s.k for s in slots)):
             nxt = []
             for s in live:
-                row = biased(s.row, s.sp.bias)
-                if s.p_min > 0.0 and 1.0 / float(np.exp(row - row.max()).sum()) < s.p_min:
+                t, q = draft_token(s.row, s.sp, s.rng, lambda row, p_min=s.p_min: confident(row, p_min))
+                if t is None:
                     continue  # the draft model is unsure here (its own confidence at temperature 1)
-                if s.sp.greedy:
-                    t = int(np.argmax(row))
-                else:
-                    q = probs(row, s.sp)
-                    t = sample(q, s.rng)
+                if q is not None:
                     s.qs.append(q)
                 s.tokens.append(t)
                 if len(s.tokens) < s.k and not self.target.is_eog(t):
@@ -238,14 +235,8 @@ class BatchDraft:
             live = nxt
 
     def _to_target(self, logits: np.ndarray) -> np.ndarray:
-        """Draft logits over the target's vocabulary (a token the target lacks is never proposed), copied: the
-        decode buffer is reused by the next decode."""
-        n = self.n_vocab
-        if logits.shape[-1] >= n:
-            return np.array(logits[:n], copy=True)
-        row = np.full(n, -np.inf, dtype=logits.dtype)
-        row[: logits.shape[-1]] = logits
-        return row
+        """Draft logits over the target's vocabulary, copied: the decode buffer is reused by the next decode."""
+        return target_row(logits, self.n_vocab, copy=True)
 
 
 class _Slot:

@@ -94,19 +94,28 @@ def draft_loop(row: np.ndarray, k: int, sp: SamplingParams, rng: np.random.Gener
     tokens: list[int] = []
     qs: list[np.ndarray] = []
     for i in range(k):
-        row = biased(row, sp.bias)  # the request's logit_bias, as on the target's rows
-        if confident is not None and not confident(row):
+        t, q = draft_token(row, sp, rng, confident)
+        if t is None:
             break
-        if sp.greedy:
-            t = int(np.argmax(row))
-        else:
-            q = probs(row, sp)
-            t = sample(q, rng)
+        if q is not None:
             qs.append(q)
         tokens.append(t)
         if i < k - 1:
             row = next_row(t, i)
     return Proposal(tokens, np.stack(qs) if qs else None)
+
+
+def draft_token(row: np.ndarray, sp: SamplingParams, rng: np.random.Generator,
+                confident: Callable[[np.ndarray], bool] | None = None) -> tuple[int | None, np.ndarray | None]:
+    """One step of draft_loop: (token, q row or None at temperature 0), or (None, None) where `confident` says the
+    drafter is unsure. The request's logit_bias applies first, as on the target's rows."""
+    row = biased(row, sp.bias)
+    if confident is not None and not confident(row):
+        return None, None
+    if sp.greedy:
+        return int(np.argmax(row)), None
+    q = probs(row, sp)
+    return sample(q, rng), q
 
 
 class HeadFileDrafter(Drafter):

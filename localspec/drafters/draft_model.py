@@ -12,6 +12,23 @@ from localspec.seq import common_prefix
 from localspec.drafters.base import Drafter, Proposal, draft_loop
 
 
+def target_row(logits: np.ndarray, n_vocab: int, copy: bool = False) -> np.ndarray:
+    """Draft logits over the target's vocabulary of n_vocab tokens (a token the target lacks is never proposed). A
+    view when the vocab sizes agree and not `copy`: this runs once per drafted token, on ~150k floats."""
+    if logits.shape[-1] >= n_vocab:
+        row = logits[:n_vocab]
+        return np.array(row, copy=True) if copy else row
+    row = np.full(n_vocab, -np.inf, dtype=logits.dtype)
+    row[: logits.shape[-1]] = logits
+    return row
+
+
+def confident(row: np.ndarray, p_min: float) -> bool:
+    """Whether a draft model is sure enough to draft from `row`: its top token's probability at temperature 1 is at
+    least p_min (p_min <= 0: always)."""
+    return p_min <= 0.0 or 1.0 / float(np.exp(row - row.max()).sum()) >= p_min
+
+
 class DraftModelDrafter(Drafter):
     name = "draft"
     prior_alpha = 0.6
@@ -35,16 +52,7 @@ class DraftModelDrafter(Drafter):
         return len(context) - common_prefix(self.model.tokens, context)
 
     def _row(self, logits: np.ndarray) -> np.ndarray:
-        """Draft logits over the target's vocabulary (a token the target lacks is never proposed). A view
-        when the vocab sizes agree: this runs once per drafted token, on ~150k floats."""
-        n = self.n_vocab
-        if logits.shape[-1] == n:
-            return logits
-        if logits.shape[-1] > n:
-            return logits[:n]
-        row = np.full(n, -np.inf, dtype=logits.dtype)
-        row[: logits.shape[-1]] = logits
-        return row
+        return target_row(logits, self.n_vocab)
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
         if k <= 0:
@@ -64,12 +72,9 @@ class DraftModelDrafter(Drafter):
             if mark is not None:
                 mark()
         p_min = self.p_min
-
-        def confident(row: np.ndarray) -> bool:  # the draft's own confidence at temperature 1
-            return p_min <= 0.0 or 1.0 / float(np.exp(row - row.max()).sum()) >= p_min
-
         out = draft_loop(self._row(logits), k, sp, rng,
-                         lambda t, i: self._row(self.model.decode([t], "last", copy=False)[0]), confident)
+                         lambda t, i: self._row(self.model.decode([t], "last", copy=False)[0]),
+                         lambda row: confident(row, p_min))
         out.catch_up_s = catch_up
         return out
 
