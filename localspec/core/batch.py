@@ -346,12 +346,9 @@ class BatchEngine:
             if adaptive:
                 bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
                 k_max = cfg.k if bit_cap is not None else k
-                # the calibrated T(b)/T(1), as the single path: a slot's drafted rows cost what the machine's verify
-                # curve says (about one step each on a compute-bound CPU, next to nothing on a GPU), its live T(1) is
-                # its share of a step
-                policy = AdaptivePolicy(drafters, k_max, self.controller_state, None,
-                                        self.engine.verify_costs(k_max + 1), bit_cap=bit_cap)
-                label = method
+                # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the
+                # calibrated curve); its live T(1) is the slot's share of a step
+                policy, label = AdaptivePolicy(drafters, k_max, self.controller_state, bit_cap=bit_cap), method
             else:
                 label = "draft" if "draft" in drafters else "lookup"
                 policy = FixedPolicy(drafters[label], k)
