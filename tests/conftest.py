@@ -52,6 +52,26 @@ def draft_path(model_dir, target_path) -> Path:
     return write_model(model_dir / "draft.gguf", 1001)
 
 
+@pytest.fixture(scope="module")
+def engine(target_path, draft_path):
+    """An Engine on the tiny target with the tiny (low-acceptance) draft model, per test module."""
+    from localspec.core.engine import Engine
+
+    e = Engine.load(target_path, draft_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def batch(engine):
+    """A 4-slot BatchEngine over `engine` (prompts prefilled 16 tokens a step), per test module."""
+    from localspec.core.batch import BatchEngine
+
+    b = BatchEngine(engine, 4, prefill_chunk=16)
+    yield b
+    b.close()
+
+
 @pytest.fixture(scope="session")
 def other_vocab_path(model_dir) -> Path:
     return write_model(model_dir / "other.gguf", 7, words=OTHER_WORDS)

@@ -13,20 +13,6 @@ from localspec.errors import ContextOverflowError, UsageError
 N = 120
 
 
-@pytest.fixture(scope="module")
-def engine(target_path, draft_path):
-    e = Engine.load(target_path, draft_path, n_ctx=1024)
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def batch(engine):
-    b = BatchEngine(engine, 4, prefill_chunk=16)
-    yield b
-    b.close()
-
-
 def alone(engine, prompt, cfg):
     return engine.complete(engine.raw_prompt(prompt), cfg)
 

@@ -16,21 +16,6 @@ N = 100
 
 
 @pytest.fixture(scope="module")
-def engine(target_path, draft_path):
-    """The tiny target with the tiny (low-acceptance) draft model."""
-    e = Engine.load(target_path, draft_path, n_ctx=1024)
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
-def batch(engine):
-    b = BatchEngine(engine, 4, prefill_chunk=16)
-    yield b
-    b.close()
-
-
-@pytest.fixture(scope="module")
 def twin(target_path):
     """The target drafting for itself: its drafts are accepted, so a step drafts all k tokens."""
     e = Engine.load(target_path, target_path, n_ctx=1024)

@@ -7,17 +7,10 @@ import pytest
 
 from conftest import PROMPTS
 from localspec.core.batch import BatchEngine
-from localspec.core.engine import Engine, GenConfig
+from localspec.core.engine import GenConfig
 from localspec.llama.multiseq import split_equal
 
 N = 60
-
-
-@pytest.fixture(scope="module")
-def engine(target_path, draft_path):
-    e = Engine.load(target_path, draft_path, n_ctx=1024)
-    yield e
-    e.close()
 
 
 def cfg_for(method, **kw):

@@ -11,13 +11,6 @@ from localspec.core.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(target_path, draft_path):
-    e = Engine.load(target_path, draft_path, n_ctx=1024)
-    yield e
-    e.close()
-
-
-@pytest.fixture(scope="module")
 def self_engine(target_path):
     e = Engine.load(target_path, target_path, n_ctx=1024)
     yield e
