@@ -22,7 +22,7 @@ def write_q4_0(path: Path, seed: int, n_embd=256, n_layer=2, n_head=4, n_ff=512)
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import quantize
 
-    from tinymodels import CHATML, WORDS, vocab
+    from tinymodels import CHATML, WORDS, llama_kv, vocab, vocab_kv
 
     tokens, scores, types = vocab(WORDS)
     n_vocab = len(tokens)
@@ -32,26 +32,8 @@ def write_q4_0(path: Path, seed: int, n_embd=256, n_layer=2, n_head=4, n_ff=512)
         return quantize((rng.standard_normal(shape) * 0.6 / np.sqrt(shape[-1])).astype(np.float32), Q.Q4_0)
 
     wr = gguf.GGUFWriter(str(path), "llama")
-    wr.add_name(f"tiny-q4_0-{seed}")
-    wr.add_context_length(2048)
-    wr.add_embedding_length(n_embd)
-    wr.add_block_count(n_layer)
-    wr.add_feed_forward_length(n_ff)
-    wr.add_head_count(n_head)
-    wr.add_head_count_kv(n_head)
-    wr.add_rope_dimension_count(n_embd // n_head)
-    wr.add_layer_norm_rms_eps(1e-5)
-    wr.add_file_type(2)  # mostly Q4_0
-    wr.add_tokenizer_model("llama")
-    wr.add_token_list(tokens)
-    wr.add_token_scores(scores)
-    wr.add_token_types(types)
-    wr.add_unk_token_id(0)
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_add_bos_token(True)
-    wr.add_add_eos_token(False)
-    wr.add_chat_template(CHATML)
+    llama_kv(wr, f"tiny-q4_0-{seed}", 2048, n_embd, n_layer, n_ff, n_head, 2)  # file type: mostly Q4_0
+    vocab_kv(wr, tokens, scores, types, CHATML)
     emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     for i in range(n_layer):

@@ -14,23 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from tinymodels import CHATML, vocab
+from tinymodels import CHATML, vocab, vocab_kv
 
 N_SPECIAL = 5  # <unk> <s> </s> <|im_start|> <|im_end|>: never generated
-
-
-def _vocab_kv(wr, tokens, scores, types, chat_template=CHATML):
-    wr.add_tokenizer_model("llama")
-    wr.add_token_list(tokens)
-    wr.add_token_scores(scores)
-    wr.add_token_types(types)
-    wr.add_unk_token_id(0)
-    wr.add_bos_token_id(1)
-    wr.add_eos_token_id(2)
-    wr.add_add_bos_token(True)
-    wr.add_add_eos_token(False)
-    if chat_template is not None:
-        wr.add_chat_template(chat_template)
 
 
 def _finish(wr):
@@ -84,7 +70,7 @@ def write_bigram_target(path: Path, seed: int, *, n_embd=64, n_layer=4, n_head=4
     wr.add_rope_dimension_count(head_dim)
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_file_type(1)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     zero = np.zeros((n_embd, n_embd), dtype=np.float16)
     for i in range(n_layer):
@@ -132,7 +118,7 @@ def write_eagle3(path: Path, seed: int, *, agree_with: int | None = None, layers
     wr.add_file_type(1)
     wr.add_array("eagle3.target_layers", [int(x) for x in layers])
     wr.add_uint32("eagle3.target_hidden_size", n_embd_tgt)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     d2t = np.arange(N_SPECIAL, n_vocab, dtype=np.int64) if reduced_vocab else np.arange(n_vocab, dtype=np.int64)
     if agree_with is not None:
         _, _, _, emb, pi = bigram_parts(agree_with, n_embd_tgt)
@@ -208,7 +194,7 @@ def write_glm4moe_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float
     wr.add_expert_weights_scale(1.0)
     wr.add_uint32("glm4moe.nextn_predict_layers", n_mtp)
     wr.add_file_type(1)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     for i in range(n_all):
         p = f"blk.{i}."
@@ -296,7 +282,7 @@ def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers
     wr.add_file_type(1)
     wr.add_array("dflash.target_layers", [int(x) for x in layers])
     wr.add_uint32("dflash.block_size", block_size)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     if mask_token is not None:
         wr.add_uint32("tokenizer.ggml.mask_token_id", mask_token)
     ones = np.ones(n_embd, dtype=np.float32)
@@ -393,7 +379,7 @@ def write_qwen35_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float 
     wr.add_uint32("qwen35.full_attention_interval", 2)
     wr.add_uint32("qwen35.nextn_predict_layers", 1)
     wr.add_file_type(1)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
 
     def attention(p, rand):
@@ -484,7 +470,7 @@ def write_mimo2_mtp(path: Path, seed: int, *, mtp=("agree", "agree"), n_embd=64,
     wr.add_array("mimo2.attention.sliding_window_pattern", [True] + [False] * (n_all - 1))  # one is required
     wr.add_uint32("mimo2.nextn_predict_layers", len(mtp))
     wr.add_file_type(1)
-    _vocab_kv(wr, tokens, scores, types)
+    vocab_kv(wr, tokens, scores, types)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
     for i in range(n_all):
         p = f"blk.{i}."

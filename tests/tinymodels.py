@@ -42,33 +42,23 @@ def vocab(words=WORDS):
     return tokens, scores, types
 
 
-def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_head=4, n_ff=128,
-                layer_std=0.6, bigram=0.5, n_ctx_train=2048, chat_template: str | None = CHATML) -> Path:
-    """Random llama model. The output matrix is a random matrix plus `bigram` x a permutation of the
-    token embeddings: each token strongly suggests a successor, the layers perturb it with context.
-    That keeps greedy top-2 margins wide (0.1-5 logits) while outputs stay varied."""
-    import gguf
-
-    tokens, scores, types = vocab(words)
-    n_vocab = len(tokens)
-    rng = np.random.default_rng(seed)
-    head_dim = n_embd // n_head
-
-    # 2-D weights in F16: this llama.cpp build's CPU F32 mat-mul path segfaults (seen with 0.3.36 here)
-    def w(*shape, std=layer_std):
-        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
-
-    wr = gguf.GGUFWriter(str(path), "llama")
-    wr.add_name(f"tiny-{seed}")
+def llama_kv(wr, name: str, n_ctx_train: int, n_embd: int, n_layer: int, n_ff: int, n_head: int,
+             file_type: int) -> None:
+    """The llama arch's hyperparameters of a tiny model (as many KV heads as heads)."""
+    wr.add_name(name)
     wr.add_context_length(n_ctx_train)
     wr.add_embedding_length(n_embd)
     wr.add_block_count(n_layer)
     wr.add_feed_forward_length(n_ff)
     wr.add_head_count(n_head)
     wr.add_head_count_kv(n_head)
-    wr.add_rope_dimension_count(head_dim)
+    wr.add_rope_dimension_count(n_embd // n_head)
     wr.add_layer_norm_rms_eps(1e-5)
-    wr.add_file_type(1)  # mostly F16
+    wr.add_file_type(file_type)
+
+
+def vocab_kv(wr, tokens, scores, types, chat_template: str | None = CHATML) -> None:
+    """The tiny vocabulary's tokenizer keys (from vocab()), with its special ids and a chat template."""
     wr.add_tokenizer_model("llama")
     wr.add_token_list(tokens)
     wr.add_token_scores(scores)
@@ -80,6 +70,26 @@ def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_h
     wr.add_add_eos_token(False)
     if chat_template is not None:
         wr.add_chat_template(chat_template)
+
+
+def write_model(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, n_head=4, n_ff=128,
+                layer_std=0.6, bigram=0.5, n_ctx_train=2048, chat_template: str | None = CHATML) -> Path:
+    """Random llama model. The output matrix is a random matrix plus `bigram` x a permutation of the
+    token embeddings: each token strongly suggests a successor, the layers perturb it with context.
+    That keeps greedy top-2 margins wide (0.1-5 logits) while outputs stay varied."""
+    import gguf
+
+    tokens, scores, types = vocab(words)
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed)
+
+    # 2-D weights in F16: this llama.cpp build's CPU F32 mat-mul path segfaults (seen with 0.3.36 here)
+    def w(*shape, std=layer_std):
+        return (rng.standard_normal(shape) * std / np.sqrt(shape[-1])).astype(np.float16)
+
+    wr = gguf.GGUFWriter(str(path), "llama")
+    llama_kv(wr, f"tiny-{seed}", n_ctx_train, n_embd, n_layer, n_ff, n_head, 1)  # file type: mostly F16
+    vocab_kv(wr, tokens, scores, types, chat_template)
 
     emb = rng.standard_normal((n_vocab, n_embd)).astype(np.float32)
     wr.add_tensor("token_embd.weight", emb.astype(np.float16))
