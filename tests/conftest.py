@@ -93,3 +93,34 @@ def env(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     return tmp_path
+
+
+def check_cancel_mid_batch(engine, batch, cfg, steps: int) -> None:
+    """Four PROMPTS in `batch`, request 1 cancelled after `steps` steps: it ends "cancelled" with a prefix of its
+    answer alone (its streamed pieces adding up to its text), and the other three answer as alone."""
+    import threading
+
+    from localspec.core.engine import Finished, Piece
+
+    seq = [engine.complete(engine.raw_prompt(p), cfg) for p in PROMPTS]
+    stop = threading.Event()
+    results, pieces = {}, []
+    for i, p in enumerate(PROMPTS):
+        def sink(ev, i=i):
+            if isinstance(ev, Finished):
+                results[i] = ev
+            elif isinstance(ev, Piece) and i == 1:
+                pieces.append(ev.text)
+        batch.add(engine.raw_prompt(p), cfg, cancel=stop if i == 1 else None, sink=sink)
+    for _ in range(steps):
+        batch.step()
+    stop.set()
+    while batch.active:
+        batch.step()
+    assert results[1].finish_reason == "cancelled"
+    assert 0 < len(results[1].tokens) < len(seq[1].tokens)
+    assert results[1].tokens == seq[1].tokens[:len(results[1].tokens)]
+    assert "".join(pieces) == results[1].text
+    for i in (0, 2, 3):
+        assert results[i].tokens == seq[i].tokens
+        assert results[i].finish_reason == seq[i].finish_reason

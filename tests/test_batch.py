@@ -1,10 +1,9 @@
 """Continuous batching (core/batch.py): several requests in one llama_decode give the texts they give alone."""
 
-import threading
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, check_cancel_mid_batch
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine, Finished, GenConfig, Piece
 from localspec.core.sampling import SamplingParams
@@ -82,21 +81,7 @@ def _start(batch, engine, prompts, cfgs, cancels=None):
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
-    seq = [alone(engine, p, cfg_for("lookup")) for p in PROMPTS]
-    stop = threading.Event()
-    results, pieces = _start(batch, engine, PROMPTS, [cfg_for("lookup") for _ in PROMPTS], {1: stop})
-    for _ in range(12):
-        batch.step()
-    stop.set()
-    while batch.active:
-        batch.step()
-    assert results[1].finish_reason == "cancelled"
-    assert 0 < len(results[1].tokens) < len(seq[1].tokens)
-    assert results[1].tokens == seq[1].tokens[:len(results[1].tokens)]
-    assert "".join(pieces[1]) == results[1].text
-    for i in (0, 2, 3):
-        assert results[i].tokens == seq[i].tokens
-        assert results[i].finish_reason == seq[i].finish_reason
+    check_cancel_mid_batch(engine, batch, cfg_for("lookup"), 12)
 
 
 def test_a_long_prompt_joining_midway_does_not_corrupt_the_running_ones(engine, batch):

@@ -2,13 +2,12 @@
 and the texts stay those of the single-sequence Engine."""
 
 import os
-import threading
 
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, check_cancel_mid_batch
 from localspec.core.batch import BatchEngine
-from localspec.core.engine import Engine, Finished, GenConfig, Piece
+from localspec.core.engine import Engine, GenConfig
 from localspec.core.sampling import SamplingParams
 from localspec.errors import UsageError
 
@@ -104,28 +103,7 @@ def test_the_draft_model_decodes_once_per_round_for_all_slots(twin):
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
-    seq = [alone(engine, p, cfg_for()) for p in PROMPTS]
-    stop = threading.Event()
-    results, pieces = {}, {1: []}
-    for i, p in enumerate(PROMPTS):
-        def sink(ev, i=i):
-            if isinstance(ev, Finished):
-                results[i] = ev
-            elif isinstance(ev, Piece) and i == 1:
-                pieces[1].append(ev.text)
-        batch.add(engine.raw_prompt(p), cfg_for(), cancel=stop if i == 1 else None, sink=sink)
-    for _ in range(10):
-        batch.step()
-    stop.set()
-    while batch.active:
-        batch.step()
-    assert results[1].finish_reason == "cancelled"
-    assert 0 < len(results[1].tokens) < len(seq[1].tokens)
-    assert results[1].tokens == seq[1].tokens[:len(results[1].tokens)]
-    assert "".join(pieces[1]) == results[1].text
-    for i in (0, 2, 3):
-        assert results[i].tokens == seq[i].tokens
-        assert results[i].finish_reason == seq[i].finish_reason
+    check_cancel_mid_batch(engine, batch, cfg_for(), 10)
 
 
 def test_a_continued_chat_catches_the_draft_up_from_its_slot(twin, monkeypatch):
