@@ -64,3 +64,28 @@ def test_prompt_lookup_is_judged_on_every_step_not_only_the_drafted_ones():
     plain = R.replay(rename, R.plain(), curve, 64)["rate"]
     r = R.replay(rename, R.auto(curve, 4, 2), curve, 64)
     assert r["rate"] / plain >= 1.25
+
+
+def rename_vs_lookup3(curve_name, n=96):
+    curve = R.CURVES[curve_name]
+    rename = next(t for t in TRACES if t["id"] == "rename")
+    auto = R.replay(rename, R.auto(curve, 4, 2), curve, n)
+    return auto, auto["rate"] / R.replay(rename, R.lookup(3), curve, n)["rate"]
+
+
+def test_a_copy_in_progress_is_judged_apart_from_short_matches():
+    """Prompt lookup's estimate is kept per reach of the match (2-3, 4-11, 12+ tokens of context agreeing with the
+    earlier occurrence), so a copy that has run for 12 tokens is not judged by the short matches in prose around it.
+    Keyed by n-gram size (2, 3, 4), a copied block and a 4-token coincidence shared one figure, and on the rename
+    answer (AVX2 curve, 96 tokens) auto kept k=1 inside the copy: 0.92x a fixed lookup k=3."""
+    _, ratio = rename_vs_lookup3("avx2")
+    assert ratio >= 0.95
+
+
+def test_the_evidence_to_leave_the_bit_cap_is_the_drafters_own_not_one_keys():
+    """Leaving the bit cap needs SWITCH_EVIDENCE observations; counted per key, a copy whose steps moved from one key
+    to the next never had enough under any one of them, and auto kept k<=2 on rename (AVX-512 curve, 96 tokens)
+    where k=3 pays: 0.88x a fixed lookup k=3."""
+    auto, ratio = rename_vs_lookup3("avx512")
+    assert auto["switched"]
+    assert ratio >= 0.9

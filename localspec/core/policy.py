@@ -216,10 +216,11 @@ class AdaptivePolicy:
         self._shadowed: set[str] = set()  # drafters whose step this is judged by its shadow
 
     def _estimate(self, key: str, name: str) -> DrafterEstimate:
-        """A drafter's offer names the estimate that judges it: prompt lookup keeps one per matched n-gram length
-        ("lookup@4"), since a 4-token match inside code being copied is accepted far more often than a 2-token
-        match in prose, and one pooled figure made auto decline the copies after a few failed prose matches. A
-        new key starts from the prior, not from the pooled figure (which the failed short matches pulled down)."""
+        """A drafter's offer names the estimate that judges it: prompt lookup keeps one per length of the matched
+        context ("lookup@12+"), since a match that reaches 12 tokens back is a copy in progress, accepted far more
+        often than a 2-token match in prose, and one pooled figure made auto decline the copies after a few failed
+        prose matches. A new key starts from the prior, not from the pooled figure (which the failed short matches
+        pulled down)."""
         est = self.est.get(key)
         if est is None:
             est = self.est[key] = DrafterEstimate(prior_alpha=self.est[name].prior_alpha)
@@ -264,7 +265,10 @@ class AdaptivePolicy:
                 k_full, rate_full = best_k(est, self.curve, k_cap, t_tok)
                 bit_best = max(rate, plain)
                 if k_full > cap and rate_full > SWITCH_MARGIN * bit_best:
-                    if est.tried and est.tried[0] >= SWITCH_EVIDENCE:
+                    # the evidence is the drafter's own (every key's steps): a copy that moved from a short-match
+                    # key to a long one had shown lookup paying, but each key alone had too few steps to say so
+                    seen = self.est[name].tried
+                    if seen and seen[0] >= SWITCH_EVIDENCE:
                         self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
                                          f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
                         self.bit_cap = None

@@ -13,6 +13,10 @@ from localspec.seq import common_prefix
 from localspec.drafters.base import Drafter, Offer, Proposal
 
 
+REACH_MAX = 12  # a match's reach is counted up to here (the top band)
+REACH_BANDS = ((0, 3, "2-3"), (4, 11, "4-11"), (12, REACH_MAX, "12+"))  # reach -> the estimate that judges it
+
+
 class PromptLookupDrafter(Drafter):
     name = "lookup"
     shadowed = True
@@ -43,6 +47,11 @@ class PromptLookupDrafter(Drafter):
 
     def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """(proposed tokens, n-gram size matched); ([], 0) when nothing matches."""
+        tokens, n, _ = self._match(context, k)
+        return tokens, n
+
+    def _match(self, context: Sequence[int], k: int) -> tuple[list[int], int, int]:
+        """(proposed tokens, n-gram size matched, end of the earlier occurrence); ([], 0, 0) without a match."""
         known = len(self._tokens)
         if len(context) < known or (known and context[known - 1] != self._tokens[-1]):
             self.begin(context)  # not a continuation of what we indexed (cheap check: the last token)
@@ -54,14 +63,29 @@ class PromptLookupDrafter(Drafter):
                 continue
             e = self._index[n].get(tuple(toks[-n:]))
             if e is not None:
-                return toks[e : e + k], n
-        return [], 0
+                return toks[e : e + k], n, e
+        return [], 0, 0
+
+    def reach(self, e: int) -> int:
+        """How far back the context's end agrees with the text before position e (the earlier occurrence), up to
+        REACH_MAX tokens: beyond the matched n-gram, this is how long the copy has been running."""
+        toks, n = self._tokens, 0
+        while n < REACH_MAX and e - 1 - n >= 0 and toks[-1 - n] == toks[e - 1 - n]:
+            n += 1
+        return n
 
     def offer(self, context: Sequence[int], k: int) -> Offer | None:
-        """The match this step would propose: its length, judged per matched n-gram size ("lookup@4": a 4-token
-        match inside code being copied is accepted far more often than a 2-token match in prose)."""
-        tokens, n = self.match(context, k)
-        return Offer(len(tokens), f"{self.name}@{n}") if tokens else None
+        """The match this step would propose, judged by how far back it reaches: a match that agrees with the
+        12 tokens before it is a copy in progress, accepted far more often than a 2-token match in prose. Keys:
+        "lookup@2-3", "lookup@4-11", "lookup@12+" (measured on the recorded Qwen answers, `bench.replay`: the
+        conditional acceptance of the next token rose from 0.5-0.65 at 2-3 tokens to 0.85-0.9 at 8-12 and 0.97
+        past 16)."""
+        tokens, n, e = self._match(context, k)
+        if not tokens:
+            return None
+        reach = self.reach(e)
+        band = next((b for lo, hi, b in REACH_BANDS if lo <= reach <= hi), REACH_BANDS[-1][2])
+        return Offer(len(tokens), f"{self.name}@{band}")
 
     def cost(self) -> float:
         return 0.0  # a dictionary lookup, next to nothing beside a target step
