@@ -3,14 +3,16 @@
 # -np 4 (plain and --spec-type ngram-simple), same model, same threads, BF16 KV and flash attention on both sides,
 # each server alone on the machine, 1/2/4 clients (benchmarks/serve_concurrency.py).
 # Usage: benchmarks/serve_concurrency.sh [TARGET.gguf]   (env: BIN=dir of native tools, N=64, REQUESTS=2, THREADS=2,
-#   CTX=4096 per slot, PORT=8090, CONFIGS="1:none 2:none 4:none 1:auto 2:auto 4:auto", NATIVE="plain ngram-simple")
+#   CTX=4096 per slot, PORT=8090, CONFIGS="1:none 2:none 4:none 1:auto 2:auto 4:auto", NATIVE="plain ngram-simple"
+#   (NATIVE=none: no native server; a config "4:auto:split" runs that server with --kv-layout split, default auto), CLIENTS=1,2,4, ROUNDS=1: the whole list again, interleaved, to see the drift)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-$HOME/.cache/localspec-anchor/build/bin}
 T=${1:-$HOME/.cache/localspec-test-models/qwen2.5-coder-1.5b-instruct.gguf}
 N=${N:-64}; REQUESTS=${REQUESTS:-2}; THREADS=${THREADS:-2}; CTX=${CTX:-4096}; PORT=${PORT:-8090}
 CONFIGS=${CONFIGS:-"1:none 2:none 4:none 1:auto 2:auto 4:auto"}
-NATIVE=${NATIVE:-"plain ngram-simple"}
+NATIVE=${NATIVE:-"plain ngram-simple"}; [ "$NATIVE" = none ] && NATIVE=""
+CLIENTS=${CLIENTS:-1,2,4}; ROUNDS=${ROUNDS:-1}
 PY=${PYTHON:-python3}
 pid=""
 stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi; }
@@ -23,13 +25,15 @@ wait_up() {
   done
   return 1
 }
-bench() { "$PY" "$here/serve_concurrency.py" --url "http://127.0.0.1:$PORT" --clients 1,2,4 -n "$N" --requests "$REQUESTS" --label "$1"; }
+bench() { "$PY" "$here/serve_concurrency.py" --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" -n "$N" --requests "$REQUESTS" --label "$1"; }
+for round in $(seq "$ROUNDS"); do
 for cfg in $CONFIGS; do
-  IFS=: read -r np method <<<"$cfg"
-  localspec serve -m "$T" --method "$method" --parallel "$np" --threads "$THREADS" -c "$CTX" --port "$PORT" \
-    2>"/tmp/serve_concurrency.$np.$method.log" &
+  IFS=: read -r np method layout <<<"$cfg"
+  localspec serve -m "$T" --method "$method" --parallel "$np" --kv-layout "${layout:-auto}" --threads "$THREADS" \
+    -c "$CTX" --port "$PORT" 2>"/tmp/serve_concurrency.$np.$method.log" &
   pid=$!
-  if wait_up; then bench "localspec --parallel $np $method"; else echo "localspec --parallel $np $method did not start"; fi
+  label="localspec --parallel $np $method${layout:+ $layout}"
+  if wait_up; then bench "$label"; else echo "$label did not start"; fi
   stop
 done
 for kind in $NATIVE; do
@@ -39,4 +43,5 @@ for kind in $NATIVE; do
   pid=$!
   if wait_up; then bench "llama-server -np 4 $kind"; else echo "llama-server $kind did not start"; fi
   stop
+done
 done

@@ -191,3 +191,52 @@ def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
             BatchEngine(e, 2)
     finally:
         e.close()
+
+
+def inexact_at_full_batch(self):
+    """The probe's finding on a 2-core CPU with repacked Q4_K weights: 2 and 3 requests x 1 row share a pass
+    bit-identically, 4 x 1 does not."""
+    from localspec.core.batch import ProbeResult
+
+    return ProbeResult(False, "passes of 4 x 1 rows (requests x rows each) are not bit-identical to one-token "
+                       "decoding", {(2, 1): True, (3, 1): True, (4, 1): False}, {}, blanket=False)
+
+
+def test_kv_layout_auto_takes_one_unified_cache_where_a_full_batch_is_not_bit_exact(engine, monkeypatch):
+    """Where a full batch (every slot x 1 row) is not bit-identical anyway, --kv-layout auto puts the slots in one
+    unified KV cache (a step's drafted rows then join its one pass): requests say lossless and why, and give the
+    texts they give alone (the tiny model's margins are wide)."""
+    monkeypatch.setattr(BatchEngine, "_probe", inexact_at_full_batch)
+    b = BatchEngine(engine, 4, layout="auto")
+    try:
+        assert b.layout == "auto" and not b.ms.unified
+        b.probe()
+        assert b.layout == "unified" and b.ms.unified and "unified" in b.layout_why
+        got = b.generate_all([(engine.raw_prompt(p), cfg_for("lookup")) for p in PROMPTS])
+        for p, r in zip(PROMPTS, got):
+            assert r.tokens == alone(engine, p, cfg_for("lookup")).tokens
+            assert r.stats.exactness == "lossless" and "one KV cache" in r.stats.exactness_reason
+    finally:
+        b.close()
+
+
+def test_kv_layout_auto_keeps_separate_streams_where_they_keep_bit_or_nothing_drafts(engine, monkeypatch):
+    b = BatchEngine(engine, 4, layout="auto")  # the tiny F16 model: every shape bit-identical
+    try:
+        assert b.probe()[0] and b.layout == "split" and "bit-identical" in b.layout_why
+    finally:
+        b.close()
+    monkeypatch.setattr(BatchEngine, "_probe", inexact_at_full_batch)
+    b = BatchEngine(engine, 4, layout="auto", speculative=False)  # plain decoding: every slot one row anyway
+    try:
+        b.probe()
+        assert b.layout == "split" and "drafts no rows" in b.layout_why
+    finally:
+        b.close()
+    b = BatchEngine(engine, 2, layout="unified")
+    try:
+        assert b.layout == "unified"
+    finally:
+        b.close()
+    with pytest.raises(UsageError):
+        BatchEngine(engine, 2, layout="shared")

@@ -80,6 +80,9 @@ def text(r: dict) -> str:
 def test_health_and_metrics_show_the_slots(batched):
     h = batched.health()
     assert h["slots"] == 4 and h["active_slots"] == 0 and not h["generating"]
+    # --kv-layout auto keeps separate streams where a full batch is bit-identical (the tiny F16 model)
+    h = batched.wait_for(lambda h: h["kv_layout"] != "auto", "the probe chose the layout")
+    assert h["kv_layout"] == "split"
     status, _, _ = batched.raw("GET", "/metrics")
     conn = http.client.HTTPConnection(batched.host, int(batched.port), timeout=30)
     conn.request("GET", "/metrics")
@@ -153,3 +156,10 @@ def test_the_default_is_one_slot_on_cpu_and_four_on_a_gpu():
     assert ServerConfig().resolved(3).parallel == PARALLEL_CPU == 1
     assert ServerConfig().resolved(3, on_gpu=True).parallel == PARALLEL_GPU == 4
     assert ServerConfig(parallel=2).resolved(3, on_gpu=True).parallel == 2
+
+
+def test_serve_kv_layout_is_checked_before_anything_loads(target_path, tmp_path):
+    r = cli(["serve", "-m", str(target_path), "--parallel", "4", "--kv-layout", "shared"], _env(tmp_path / "cfg"),
+            timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("error: ") and "--kv-layout" in err and "Traceback" not in err, err

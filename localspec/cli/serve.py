@@ -44,6 +44,7 @@ def serve(
     max_k: Annotated[Optional[int], typer.Option("--max-k", help="Largest per-request localspec.k (default: -k).", show_default=False)] = None,
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
     no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
+    kv_layout: Annotated[str, typer.Option("--kv-layout", help="With --parallel N > 1, where the slots keep their KV cache: split (one stream each: a request keeps bit exactness while the passes it shares are bit-identical), unified (one cache: every step is one forward pass, drafted rows included; batched requests run at lossless), auto (unified where a full batch is not bit-identical here anyway and the method drafts, else split).")] = "auto",
     parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch, each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -51,7 +52,7 @@ def serve(
     from localspec.server.config import ServerConfig
     from localspec.session import Session
 
-    config = ServerConfig(parallel=parallel).check()  # a bad --parallel before anything loads
+    config = ServerConfig(parallel=parallel, kv_layout=kv_layout).check()  # bad values before anything loads
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
         temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,

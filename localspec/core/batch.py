@@ -114,18 +114,30 @@ class BatchEngine:
     """N slots over `engine`'s target. Not thread-safe: one thread calls add() and step()."""
 
     def __init__(self, engine: Engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
-                 unified: bool | None = None, pad: bool | None = None) -> None:
-        """unified: one KV cache for all slots (default: LOCALSPEC_KV_UNIFIED). pad: pad a step's slots to one
-        pass (_pad; default on, LOCALSPEC_BATCH_PAD=0 turns it off to compare)."""
+                 unified: bool | None = None, pad: bool | None = None, layout: str = "split",
+                 speculative: bool = True) -> None:
+        """layout: "split" (one KV stream per slot), "unified" (one KV cache for all slots) or "auto" (split until
+        the probe; then unified where a full batch is not bit-identical anyway and `speculative`, see
+        _choose_layout). unified (True/False) or LOCALSPEC_KV_UNIFIED=1/0 overrides it. pad: pad a step's slots to
+        one pass (_pad; default by cost, LOCALSPEC_BATCH_PAD=1/0 forces it)."""
         from localspec.llama.multiseq import MultiSeq
 
         if n_slots < 1:
             raise UsageError(f"need at least one slot, got {n_slots}")
+        if layout not in ("auto", "split", "unified"):
+            raise UsageError(f"the KV layout must be auto, split or unified, got {layout!r}")
         self.engine = engine
         self.target = engine.target
-        if unified is None:
-            unified = os.environ.get("LOCALSPEC_KV_UNIFIED", "") not in ("0", "")
-        self.ms = MultiSeq(engine.target, n_slots, unified=unified)
+        env = os.environ.get("LOCALSPEC_KV_UNIFIED", "")
+        if unified is None and env != "":
+            unified = env != "0"
+        if unified is not None:
+            layout = "unified" if unified else "split"
+        self._auto = layout == "auto" and n_slots > 1
+        self.speculative = speculative
+        self.layout_why = ""  # what _choose_layout decided, and why
+        self.ms = MultiSeq(engine.target, n_slots, unified=layout == "unified")
+        unified = self.ms.unified
         env = os.environ.get("LOCALSPEC_BATCH_PAD", "")
         self.pad: bool | None = pad if pad is not None else (None if env == "" else env not in ("0",))  # None: by cost
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=unified)  # the draft model, batched (or None)
@@ -169,12 +181,49 @@ class BatchEngine:
         the slots' caches and the target's single-sequence cache (call it before the first request)."""
         return self.probe_result().verdict
 
+    @property
+    def layout(self) -> str:
+        """Where the slots' KV lives: "unified", "split", or "auto" while the probe has not chosen yet."""
+        if self._auto and self._exact is None:
+            return "auto"
+        return "unified" if self.ms.unified else "split"
+
     def probe_result(self) -> ProbeResult:
         """The probe's findings: the verdict, and per pass shape (requests x rows each) whether it is bit-exact."""
         if self._exact is None:
             res = self._probe()
-            self._exact = res if isinstance(res, ProbeResult) else ProbeResult(*res)
+            res = res if isinstance(res, ProbeResult) else ProbeResult(*res)
+            self._exact = self._choose_layout(res) if self._auto else res
         return self._exact
+
+    def _choose_layout(self, res: ProbeResult) -> ProbeResult:
+        """layout auto, after the probe over separate streams: one unified KV cache where a full batch (every slot
+        x 1 row) is not bit-identical here anyway, so a request sharing its steps with the others runs at lossless
+        whichever the layout, and where requests draft (`speculative`). Then every step is ONE forward pass: over
+        separate streams llama.cpp runs a slot's drafted rows as a pass of their own (multiseq.split_equal), which
+        on a 2-core CPU made `auto` slower than plain decoding at 4 clients (14.5 vs 15.1 and 14.7 vs 15.9 tok/s)
+        where one unified cache made it faster (16.2 and 17.5, same runs; benchmarks/serve_concurrency.sh). The
+        price: a request alone keeps bit exactness only over separate streams (in one cache, other requests'
+        rollbacks leave its cells out of position order), so where a full batch is bit-identical (an F16 model on
+        a CPU) or nothing drafts, the streams stay separate. Returns the probe result that now holds."""
+        n = self.n_slots
+        full = res.exact or (not res.blanket and res.shapes.get((n, 1), False))
+        if full or not self.speculative:
+            self.layout_why = ("separate KV streams: " + (f"a full batch of {n} requests is bit-identical here"
+                               if full else "plain decoding drafts no rows to share a pass"))
+            return res
+        from localspec.llama.multiseq import MultiSeq
+
+        self.ms.close()
+        self.ms = MultiSeq(self.target, n, unified=True)
+        if self.drafts is not None:
+            self.drafts.close()
+            self.drafts = BatchDraft.for_engine(self.engine, n, unified=True)
+        self._ratios.clear()
+        self.layout_why = (f"one unified KV cache: a full batch of {n} requests x 1 row is not bit-identical here "
+                           "anyway, and in one cache a step's drafted rows join its one forward pass")
+        return ProbeResult(False, f"the {n} slots share one KV cache (--kv-layout auto: {res.why}), and after other "
+                           "requests' rollbacks a request's cache cells are no longer in position order")
 
     def bit_rows(self) -> int:
         """The most rows a bit-exact request verifies in one step here (the engine's bit k cap + 1)."""

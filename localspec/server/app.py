@@ -116,7 +116,8 @@ class Generations:
         self.cfg = cfg
         self.name = model_id(session)
         self.accepted_names = {self.name, session.target_path.name, session.target_path.stem, *ALIASES}
-        self.worker = Worker(session, cfg.queue_size, log, parallel=cfg.parallel or 1)
+        self.worker = Worker(session, cfg.queue_size, log, parallel=cfg.parallel or 1, kv_layout=cfg.kv_layout,
+                             speculative=self.base.get("method", "auto") != "none")
         self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
         self.worker.metrics = self.metrics
 
@@ -365,7 +366,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     async def health():
         return {"status": "ok", "model": name, "generating": worker.active > 0, "queued": worker.waiting,
                 "queue_size": worker.queue_size, "generations": dict(worker.counts),
-                "slots": worker.parallel, "active_slots": worker.active}
+                "slots": worker.parallel, "active_slots": worker.active, "kv_layout": worker.kv_layout}
 
     return app
 

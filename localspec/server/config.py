@@ -20,6 +20,7 @@ DEFAULT_QUEUE = 8  # requests that may wait while one generates
 PARALLEL_CPU = 1
 PARALLEL_GPU = 4
 MAX_PARALLEL = 64
+KV_LAYOUTS = ("auto", "split", "unified")  # --kv-layout (core/batch.py BatchEngine: where the slots' KV lives)
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
 MAX_STOPS = 16
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
@@ -54,6 +55,7 @@ class ServerConfig:
     strict_model: bool = False
     no_metrics: bool = False
     parallel: Optional[int] = None  # slots decoded together (None: default_parallel)
+    kv_layout: str = "auto"  # the slots' KV cache: auto | split (one stream each) | unified (one cache)
 
     def __post_init__(self) -> None:
         for name in ("allowed_hosts", "cors_origins"):  # a list or a comma-separated string is fine too
@@ -75,6 +77,8 @@ class ServerConfig:
             raise UsageError(f"port must be between 0 and 65535, got {self.port}")
         if self.parallel is not None and not 1 <= self.parallel <= MAX_PARALLEL:
             raise UsageError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
+        if self.kv_layout not in KV_LAYOUTS:
+            raise UsageError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.max_k is not None and self.max_k < 1:
             raise UsageError(f"max k must be >= 1, got {self.max_k}")
         return self

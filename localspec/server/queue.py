@@ -54,7 +54,9 @@ def shutting_down() -> APIError:
 class Worker:
     """Runs generations one at a time on the session's engine, in the order they came."""
 
-    def __init__(self, session, queue_size: int, log: Callable[[str], None], metrics=None, parallel: int = 1) -> None:
+    def __init__(self, session, queue_size: int, log: Callable[[str], None], metrics=None, parallel: int = 1,
+                 kv_layout: str = "auto", speculative: bool = True) -> None:
+        """kv_layout and speculative (the server's default method drafts): BatchEngine's layout and its choice."""
         if queue_size < 1:
             raise UsageError(f"queue size must be >= 1, got {queue_size}")
         if parallel < 1:
@@ -65,7 +67,7 @@ class Worker:
             from localspec.core.batch import BatchEngine
 
             try:
-                self.batch = BatchEngine(session.engine, parallel)
+                self.batch = BatchEngine(session.engine, parallel, layout=kv_layout, speculative=speculative)
                 self.parallel = parallel
             except UsageError as exc:  # a recurrent/hybrid target: one at a time
                 log(f"warning: --parallel {parallel} ignored: {exc}")
@@ -145,6 +147,12 @@ class Worker:
         return ended
 
     @property
+    def kv_layout(self) -> str:
+        """Where the batch's slots keep their KV: "split", "unified", "auto" (not chosen yet: before the probe), or
+        "single" (no batch: one generation at a time)."""
+        return self.batch.layout if self.batch is not None else "single"
+
+    @property
     def active(self) -> int:
         """Generations running now (batch slots in use, or the one single-sequence generation)."""
         return len(self.running) + (1 if self.current is not None else 0)
@@ -167,7 +175,9 @@ class Worker:
     def _run_batched(self) -> None:
         batch = self.batch
         try:
-            batch.probe()  # once, before the first request (it clears the caches)
+            batch.probe()  # once, before the first request (it clears the caches; --kv-layout auto chooses here)
+            if batch.layout_why:
+                self.log(f"localspec serve: --parallel {batch.n_slots}: {batch.layout_why}")
         except Exception:  # pragma: no cover - the first add() probes again and reports the error to its client
             self.log("localspec serve: the batch exactness probe failed:\n" + traceback.format_exc().rstrip())
         stopping = False
