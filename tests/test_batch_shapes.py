@@ -317,3 +317,49 @@ def test_a_slots_drafted_rows_are_priced_by_what_they_cost_the_whole_batch(engin
                 assert run.policy.curve.prior[2] == pytest.approx(cpu[2])  # alone: the target's own curve
     finally:
         b.close()
+
+
+def perturb_prompt_beside_others(ms, eps=1e-3, prompt_rows=5):
+    """A MultiSeq whose logits change (by eps) only in forward passes where a prompt chunk (a part of prompt_rows
+    rows or more) shares the pass with other requests' rows: what the probe found on a 2-core CPU with Qwen
+    Q4_K_M, where 1-row steps side by side stay bit-identical."""
+    orig = ms.decode
+
+    def decode(parts, copy=True):
+        outs = orig(parts, copy=True)
+        rows = {p[0]: len(p[1]) for p in parts}
+        for ub in split_equal([(p[0], len(p[1])) for p in parts], ms.n_batch):
+            if len(ub) < 2 or not any(rows[seq] >= prompt_rows for seq, _, _ in ub):
+                continue
+            for seq, first, n in ub:
+                j = next(j for j, p in enumerate(parts) if p[0] == seq)
+                for i, row in enumerate(sorted(set(parts[j][2]))):
+                    if first <= row < first + n:
+                        outs[j][i] += eps
+        return outs
+
+    ms.decode = decode
+
+
+def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine):
+    """Where a prompt chunk beside other requests' 1-row steps is not bit-identical, a step with a joining prompt
+    decodes the generating rows first and the prompt on its own: the running request and the joining one both stay
+    bit (before, the running one went lossless "beside another request's prompt chunk" the step a prompt joined).
+    Over separate KV streams that costs no extra pass: the prompt's rows past its first ran alone anyway."""
+    b = BatchEngine(engine, 4)
+    try:
+        perturb_prompt_beside_others(b.ms)
+        res = b.probe_result()
+        assert res.shapes[(2, 1)] and not res.beside_prompt[2], res.why
+        seen = count_passes(b)
+        p = [engine.raw_prompt(x) for x in PROMPTS[:2]]
+        cfg = lambda: cfg_for("none", exactness="bit")  # noqa: E731
+        two = staggered(b, [(p[0], cfg()), (p[1], cfg())])
+        for x, prompt in zip(two, p):
+            assert x.stats.exactness == "bit", x.stats.exactness_reason
+            assert x.tokens == alone(engine, prompt, cfg()).tokens
+        # the join step: the generating row alone, then the prompt alone (no pass holds both)
+        assert any(rows == [1] for _, rows in seen) and any(rows == [len(p[1])] for _, rows in seen)
+        assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)  # no decode held a prompt beside others
+    finally:
+        b.close()

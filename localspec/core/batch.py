@@ -486,10 +486,39 @@ class BatchEngine:
             self._release_finished()
             return 0
         self._pad(parts, owners)
+        total = 0
+        for group in self._apart(parts, owners):
+            total += self._decode(*group)
+        self._release_finished()
+        return total
+
+    def _apart(self, parts: list, owners: list) -> list[tuple[list, list]]:
+        """The step's decodes: one, or two where a prompt chunk beside generating requests would cost a `bit`
+        request its exactness (the probe found such a pass not bit-identical: on this CPU with repacked Q4_K
+        weights, a prompt beside 1-3 one-row steps). Then the generating rows decode first and the prompt chunks
+        after, on their own. Over separate KV streams that costs no extra pass: llama.cpp ran the prompt's rows
+        past its first as a pass of their own anyway (its first row shared the others' pass)."""
+        gen = [j for j, run in enumerate(owners) if run.step is not None]
+        if self.ms.unified or not gen or len(gen) == len(owners):
+            return [(parts, owners)]
+        prompt_seqs = {parts[j][0] for j, run in enumerate(owners) if run.step is None}
+        bit = {run.seq for run in owners if run.stats.exactness == "bit"}
+        for ub in self.ms.passes([(p[0], len(p[1])) for p in parts]):
+            seqs = {seq for seq, _, _ in ub}
+            if len(ub) < 2 or not (seqs & prompt_seqs) or not (seqs & bit):
+                continue
+            if not self.shape_exact(len(ub), ub[0][2], beside_prompt=True):
+                rest = [j for j in range(len(owners)) if j not in gen]
+                return [([parts[j] for j in gen], [owners[j] for j in gen]),
+                        ([parts[j] for j in rest], [owners[j] for j in rest])]
+        return [(parts, owners)]
+
+    def _decode(self, parts: list, owners: list) -> int:
+        """One llama_decode of `parts` (rows of the slots in `owners`), verified and prefilled. Returns its rows."""
         self._note_shapes(parts, owners)
         total = sum(len(p[1]) for p in parts)
         t0 = time.perf_counter()
-        outs = ms.decode(parts, copy=False)  # used before the next decode
+        outs = self.ms.decode(parts, copy=False)  # used before the next decode
         dt = time.perf_counter() - t0
         self.steps += 1
         self.rows += total
@@ -499,7 +528,6 @@ class BatchEngine:
                 self._prefilled(run, part[1], rows, share)
             else:
                 self._verified(run, rows, share)
-        self._release_finished()
         return total
 
     def _pad(self, parts: list, owners: list) -> None:
