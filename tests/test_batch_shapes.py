@@ -21,16 +21,16 @@ def alone(engine, prompt_tokens, cfg):
     return engine.complete(list(prompt_tokens), cfg)
 
 
-def perturb_big_passes(ms, min_rows=4, eps=1e-3):
-    """A MultiSeq whose logits change (by eps, far below the tiny models' margins) only in forward passes of
-    min_rows rows or more from two requests or more: what ggml-cpu's repacked Q4_K GEMM (4-row groups) does beside
-    its GEMV (alone, the engine's own k cap covers it)."""
+def perturb_passes(ms, hit, eps=1e-3):
+    """A MultiSeq whose logits change by eps (far below the tiny models' margins) in the forward passes where
+    hit(ubatch, rows per sequence) says so; llama.cpp's passes as multiseq.split_equal models them."""
     orig = ms.decode
 
     def decode(parts, copy=True):
         outs = orig(parts, copy=True)
+        rows = {p[0]: len(p[1]) for p in parts}
         for ub in split_equal([(p[0], len(p[1])) for p in parts], ms.n_batch):
-            if len(ub) < 2 or sum(n for _, _, n in ub) < min_rows:
+            if len(ub) < 2 or not hit(ub, rows):
                 continue
             for seq, first, n in ub:
                 j = next(j for j, p in enumerate(parts) if p[0] == seq)
@@ -40,6 +40,12 @@ def perturb_big_passes(ms, min_rows=4, eps=1e-3):
         return outs
 
     ms.decode = decode
+
+
+def perturb_big_passes(ms, min_rows=4):
+    """Logits change only in passes of min_rows rows or more from two requests or more: what ggml-cpu's repacked
+    Q4_K GEMM (4-row groups) does beside its GEMV (alone, the engine's own k cap covers it)."""
+    perturb_passes(ms, lambda ub, rows: sum(n for _, _, n in ub) >= min_rows)
 
 
 def staggered(b, requests):
@@ -319,26 +325,11 @@ def test_a_slots_drafted_rows_are_priced_by_what_they_cost_the_whole_batch(engin
         b.close()
 
 
-def perturb_prompt_beside_others(ms, eps=1e-3, prompt_rows=5):
-    """A MultiSeq whose logits change (by eps) only in forward passes where a prompt chunk (a part of prompt_rows
-    rows or more) shares the pass with other requests' rows: what the probe found on a 2-core CPU with Qwen
-    Q4_K_M, where 1-row steps side by side stay bit-identical."""
-    orig = ms.decode
-
-    def decode(parts, copy=True):
-        outs = orig(parts, copy=True)
-        rows = {p[0]: len(p[1]) for p in parts}
-        for ub in split_equal([(p[0], len(p[1])) for p in parts], ms.n_batch):
-            if len(ub) < 2 or not any(rows[seq] >= prompt_rows for seq, _, _ in ub):
-                continue
-            for seq, first, n in ub:
-                j = next(j for j, p in enumerate(parts) if p[0] == seq)
-                for i, row in enumerate(sorted(set(parts[j][2]))):
-                    if first <= row < first + n:
-                        outs[j][i] += eps
-        return outs
-
-    ms.decode = decode
+def perturb_prompt_beside_others(ms, prompt_rows=5):
+    """Logits change only in passes where a prompt chunk (a part of prompt_rows rows or more) shares the pass with
+    other requests' rows: what the probe found on a 2-core CPU with Qwen Q4_K_M, where 1-row steps side by side
+    stay bit-identical."""
+    perturb_passes(ms, lambda ub, rows: any(rows[seq] >= prompt_rows for seq, _, _ in ub))
 
 
 def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine):
