@@ -30,6 +30,21 @@ def test_ctrl_c_during_start_up_is_exit_130_without_traceback(long_model, delay)
     assert b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()
 
 
+def test_a_stop_while_the_cli_imports_its_parts_is_exit_130(monkeypatch):
+    """A SIGINT 0.25 s after start (CI, once in ~10 runs) landed while main() imported the download progress bars,
+    before _main's own KeyboardInterrupt handler: the process died of the signal (-2) with a traceback."""
+    from localspec.cli import app as cli_app
+    from localspec.cli import progress
+
+    def stopped():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(progress, "install", stopped)
+    with pytest.raises((SystemExit, KeyboardInterrupt)) as exc:
+        cli_app.main(["run", "--help"])
+    assert exc.type is SystemExit and exc.value.code == 130
+
+
 @pytest.mark.parametrize("gap", [0.02, 0.1])
 def test_two_quick_ctrl_c_keep_the_answer_and_exit_130(long_model, gap):  # noqa: F811
     """#19.10: two SIGINTs 20 ms apart crashed with SIGSEGV in 3 of 5 runs; 100 ms apart the process died of the

@@ -134,9 +134,12 @@ def main(argv: list[str] | None = None) -> None:
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
     state.reset()
-    previous = _install_signals()
+    previous = None
     try:
+        previous = _install_signals()
         _main(argv)
+    except KeyboardInterrupt:  # a stop before _main's own handler is in place (while it imports its parts)
+        _interrupted()
     finally:
         try:
             if state.signals:  # stopping: the interpreter's teardown (freeing the models) resets Python handlers
