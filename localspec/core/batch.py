@@ -124,8 +124,8 @@ class BatchEngine:
 
         if n_slots < 1:
             raise UsageError(f"need at least one slot, got {n_slots}")
-        if layout not in ("auto", "split", "unified"):
-            raise UsageError(f"the KV layout must be auto, split or unified, got {layout!r}")
+        if layout not in D.KV_LAYOUTS:
+            raise UsageError(f"the KV layout must be one of {', '.join(D.KV_LAYOUTS)}, got {layout!r}")
         self.engine = engine
         self.target = engine.target
         env = os.environ.get("LOCALSPEC_KV_UNIFIED", "")
@@ -137,10 +137,9 @@ class BatchEngine:
         self.speculative = speculative
         self.layout_why = ""  # what _choose_layout decided, and why
         self.ms = MultiSeq(engine.target, n_slots, unified=layout == "unified")
-        unified = self.ms.unified
         env = os.environ.get("LOCALSPEC_BATCH_PAD", "")
         self.pad: bool | None = pad if pad is not None else (None if env == "" else env not in ("0",))  # None: by cost
-        self.drafts = BatchDraft.for_engine(engine, n_slots, unified=unified)  # the draft model, batched (or None)
+        self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified)  # the draft model, or None
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.prefill_chunk = max(1, int(prefill_chunk))
@@ -501,8 +500,10 @@ class BatchEngine:
         gen = [j for j, run in enumerate(owners) if run.step is not None]
         if self.ms.unified or not gen or len(gen) == len(owners):
             return [(parts, owners)]
-        prompt_seqs = {parts[j][0] for j, run in enumerate(owners) if run.step is None}
         bit = {run.seq for run in owners if run.stats.exactness == "bit"}
+        if not bit:
+            return [(parts, owners)]
+        prompt_seqs = {parts[j][0] for j, run in enumerate(owners) if run.step is None}
         for ub in self.ms.passes([(p[0], len(p[1])) for p in parts]):
             seqs = {seq for seq, _, _ in ub}
             if len(ub) < 2 or not (seqs & prompt_seqs) or not (seqs & bit):

@@ -6,6 +6,7 @@ from __future__ import annotations
 from localspec.drafters.registry import METHODS  # noqa: F401 - the method names, with the drafter kinds
 
 EXACTNESS = ("auto", "bit", "lossless")
+KV_LAYOUTS = ("auto", "split", "unified")  # serve --kv-layout: where batched slots keep their KV (core/batch.py)
 METHOD = "auto"
 EXACTNESS_LEVEL = "auto"
 DRAFT_TOKENS = 4  # k when neither the pair nor the user says

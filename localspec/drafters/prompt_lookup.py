@@ -84,7 +84,7 @@ class PromptLookupDrafter(Drafter):
         if not tokens:
             return None
         reach = self.reach(e)
-        band = next((b for lo, hi, b in REACH_BANDS if lo <= reach <= hi), REACH_BANDS[-1][2])
+        band = next(b for lo, hi, b in REACH_BANDS if lo <= reach <= hi)  # reach <= REACH_MAX: always one
         return Offer(len(tokens), f"{self.name}@{band}")
 
     def cost(self) -> float:

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from localspec.core.defaults import KV_LAYOUTS
 from localspec.errors import UsageError
 
 DEFAULT_HOST = "127.0.0.1"
@@ -20,7 +21,6 @@ DEFAULT_QUEUE = 8  # requests that may wait while one generates
 PARALLEL_CPU = 1
 PARALLEL_GPU = 4
 MAX_PARALLEL = 64
-KV_LAYOUTS = ("auto", "split", "unified")  # --kv-layout (core/batch.py BatchEngine: where the slots' KV lives)
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
 MAX_STOPS = 16
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
