@@ -240,3 +240,31 @@ def test_kv_layout_auto_keeps_separate_streams_where_they_keep_bit_or_nothing_dr
         b.close()
     with pytest.raises(UsageError):
         BatchEngine(engine, 2, layout="shared")
+
+
+@pytest.mark.parametrize("layout", ["split", "unified"])
+def test_a_new_request_takes_a_shared_prefix_from_another_slots_cache(engine, layout):
+    # chat requests share the template's system prompt: a request joining while another runs (so it takes another
+    # slot) decodes only what differs, the prefix copied from the running slot's cache, and gives its text alone
+    head = " ".join(PROMPTS * 2)  # a long shared start, as a system prompt
+    first, second = head + " and then", head + " or else"
+    cfg = lambda: cfg_for("lookup", max_tokens=30, exactness="lossless")
+    seq = [alone(engine, p, cfg()) for p in (first, second)]
+    shared = len(engine.raw_prompt(head))
+    b = BatchEngine(engine, 4, prefill_chunk=16, layout=layout)
+    try:
+        results, _ = _start(b, engine, [first], [cfg()])
+        while b.runs[0] is not None and b.runs[0].prefill:
+            b.step()
+        b.step()
+        got, _ = _start(b, engine, [second], [cfg()])
+        joined = [r for r in b.runs if r is not None and r.prefill]
+        assert joined and joined[0].seq != 0  # it took another slot ...
+        assert len(joined[0].prefill) <= len(engine.raw_prompt(second)) - shared + 1  # ... with the prefix cached
+        while b.active:
+            b.step()
+    finally:
+        b.close()
+    assert got[0].stats.cached_prompt_tokens >= shared - 1
+    assert results[0].tokens == seq[0].tokens
+    assert got[0].tokens == seq[1].tokens

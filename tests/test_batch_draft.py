@@ -234,3 +234,33 @@ def test_a_draft_that_ends_the_answer_stops_drafting_for_its_slot(twin):
         assert bd.ms.tokens[0] == ctx[0]  # the end-of-generation draft was not decoded
     finally:
         bd.close()
+
+
+def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cache(twin, monkeypatch):
+    """A request joining while another runs (another slot) shares its start (a system prompt): the draft model's
+    first catch-up for it decodes only what differs, the prefix copied from the running slot's draft sequence."""
+    engine, batch = twin
+    head = " ".join(PROMPTS * 2)
+    first, second = engine.raw_prompt(head + " and then"), engine.raw_prompt(head + " or else")
+    shared = len(engine.raw_prompt(head))
+    cfg = lambda: cfg_for(p_min=0.0, max_tokens=20)
+    results = {}
+    batch.add(first, cfg(), sink=lambda ev: results.__setitem__(0, ev))
+    while batch.runs[0] is None or batch.runs[0].prefill or not batch.drafts.tokens(0):
+        batch.step()
+    ms = batch.drafts._multiseq()
+    rows = []
+    decode = ms.decode
+
+    def counting(parts, copy=True):
+        rows.append({seq: len(t) for seq, t, _ in parts})
+        return decode(parts, copy)
+    monkeypatch.setattr(ms, "decode", counting)
+    seq = batch.add(second, cfg(), sink=lambda ev: results.__setitem__(1, ev))
+    assert seq != 0
+    while batch.active:
+        batch.step()
+    caught = next(r[seq] for r in rows if seq in r)  # its first catch-up
+    assert caught <= len(second) - shared + 1
+    assert results[1].tokens == alone(engine, second, cfg()).tokens
+    assert results[0].tokens == alone(engine, first, cfg()).tokens

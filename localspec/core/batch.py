@@ -6,7 +6,9 @@ contributes its pending token and its drafted tokens ([pending, d1..dk], logits 
 chunk of its prompt (at most `prefill_chunk` tokens a step, so a long prompt does not stall the others). Then per
 slot: verify (greedy or speculative sampling with the request's own rng), roll the rejected rows back
 (llama_memory_seq_rm on that sequence only), stats, stop strings, max_tokens, cancel. Requests join and leave
-between steps; a finished slot's cache stays, so the next request with the same prefix (a continued chat) reuses it.
+between steps; a finished slot's cache stays, so the next request with the same prefix (a continued chat) reuses it,
+and a request that shares a prefix with another slot's cache (the chat template's system prompt) copies it from there
+(MultiSeq.take_prefix) and decodes only the rest.
 
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
 
@@ -62,6 +64,7 @@ from localspec.errors import ContextOverflowError, UsageError
 from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
+PREFIX_COPY_MIN = 4  # prompt tokens another slot's cache must save a new request to be copied (MultiSeq.take_prefix)
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
               "def f(x): return x + 1")
@@ -376,7 +379,7 @@ class BatchEngine:
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
         seq = self._choose_slot(prompt, free)
-        common = common_prefix(self.ms.tokens[seq], prompt)
+        common = self.ms.take_prefix(seq, prompt, PREFIX_COPY_MIN)  # its own cache's, or another slot's
         if common == len(prompt):
             common -= 1  # the last prompt token is decoded again for its logits
         self.ms.truncate(seq, common)

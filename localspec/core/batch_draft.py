@@ -162,7 +162,7 @@ class BatchDraft:
             if k <= 0:
                 d.ready = Proposal()
                 continue
-            common = common_prefix(ms.tokens[d.seq], context)
+            common = ms.take_prefix(d.seq, context)  # its own cache's, or another slot's (a shared system prompt)
             if common == len(context):
                 common -= 1  # the last context token is decoded again for its logits
             ms.truncate(d.seq, common)

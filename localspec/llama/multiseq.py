@@ -11,6 +11,7 @@ keep the single-sequence path.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from typing import Sequence
 
@@ -20,6 +21,7 @@ from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import lib
 from localspec.llama.lib import ll as _ll
 from localspec.llama.model import GGML_TYPES, free_batch_and_context
+from localspec.seq import common_prefix
 
 
 def split_equal(counts: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[tuple[int, int, int]]]:
@@ -164,6 +166,51 @@ class MultiSeq:
         if not _ll.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
             raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries of sequence {seq} from {n_keep}")
         del self.tokens[seq][n_keep:]
+
+    def take_prefix(self, seq: int, tokens: Sequence[int], min_gain: int = 4) -> int:
+        """How many of `tokens` sequence `seq` starts with cached: its own common prefix with them, or a longer one
+        copied from another sequence's cache (copy_prefix) where that saves at least `min_gain` tokens. Chat
+        requests share the template's system prompt, so a new conversation in another slot decodes only its own
+        part, as llama-server's prompt cache does across slots."""
+        own = best = common_prefix(self.tokens[seq], tokens)
+        src = None
+        for s in range(self.n_seq):
+            if s != seq:
+                c = common_prefix(self.tokens[s], tokens)
+                if c > best:
+                    best, src = c, s
+        if src is None or best - own < max(1, int(min_gain)):
+            return own
+        return self.copy_prefix(src, seq, best)
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> int:
+        """Make sequence `dst` hold the first `n` cached tokens of sequence `src` (dst's own cache is dropped), so a
+        prompt that shares a prefix with another slot's cache (the chat template's system prompt) decodes only the
+        rest. One unified cache: the cells are shared (`llama_memory_seq_cp`, no data copied). Separate streams:
+        src's sequence state is copied into dst's stream (`llama_state_seq_get_data` / `set_data`, what
+        llama-server's prompt cache does) and cut at n. The copied K/V are the same bytes src decoded. Returns the
+        tokens dst now holds (0 when llama.cpp could not restore the copy; dst is then empty)."""
+        n = max(0, min(int(n), len(self.tokens[src])))
+        if src == dst:
+            self.truncate(dst, n)
+            return len(self.tokens[dst])
+        self.clear(dst)
+        if n == 0:
+            return 0
+        if self.unified:
+            _ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
+        else:
+            size = int(_ll.llama_state_seq_get_size(self._ctx, src))
+            buf = (ctypes.c_uint8 * size)()
+            got = int(_ll.llama_state_seq_get_data(self._ctx, buf, size, src))
+            if not got or not int(_ll.llama_state_seq_set_data(self._ctx, buf, got, dst)):
+                self.clear(dst)
+                return 0
+            self.tokens[dst] = list(self.tokens[src])
+            self.truncate(dst, n)
+            return n
+        self.tokens[dst] = list(self.tokens[src][:n])
+        return n
 
     def clear(self, seq: int | None = None) -> None:
         """Empty one sequence (None: all of them)."""
