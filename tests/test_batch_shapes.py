@@ -142,10 +142,11 @@ def test_exactness_is_per_request_from_the_passes_it_shared(engine):
         two = staggered(b, [(p[0], cfg()), (p[1], cfg())])
         assert [two[i].stats.exactness for i in (0, 1)] == ["bit", "bit"], two[1].stats.exactness_reason
         assert two[1].tokens == alone(engine, p[1], cfg()).tokens
-        # both joining at once: their prompts share passes of 2 x 10 rows: lossless, both
+        # both joining at once: their prompts would share a pass of 2 x 10 rows, so each decodes on its own, and
+        # then 2 x 1 rows a step: bit, both
         both = b.generate_all([(p[2], cfg()), (p[3], cfg())])
-        assert [x.stats.exactness for x in both] == ["lossless", "lossless"]
-        assert "prompt chunk" in both[0].stats.exactness_reason
+        assert [x.stats.exactness for x in both] == ["bit", "bit"], both[0].stats.exactness_reason
+        assert [x.tokens for x in both] == [alone(engine, x, cfg()).tokens for x in p[2:]]
         four = b.generate_all([(x, cfg()) for x in p])
         for x, prompt in zip(four, p):
             assert x.stats.exactness == "lossless"
@@ -351,6 +352,28 @@ def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_b
             assert x.tokens == alone(engine, prompt, cfg()).tokens
         # the join step: the generating row alone, then the prompt alone (no pass holds both)
         assert any(rows == [1] for _, rows in seen) and any(rows == [len(p[1])] for _, rows in seen)
+        assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)  # no decode held a prompt beside others
+    finally:
+        b.close()
+
+
+def test_two_prompts_joining_in_one_step_decode_apart_where_together_they_would_cost_bit(engine):
+    """Two requests arriving together: their prompts would share a pass, which the probe finds not bit-identical
+    here (a prompt chunk beside other rows). Each prompt decodes on its own, and both requests stay bit (before,
+    both went lossless "beside another request's prompt chunk" from their first token)."""
+    b = BatchEngine(engine, 4)
+    try:
+        perturb_prompt_beside_others(b.ms)
+        res = b.probe_result()
+        assert res.shapes[(2, 1)] and not res.beside_prompt[2], res.why
+        seen = count_passes(b)
+        p = [engine.raw_prompt(x) for x in PROMPTS[:2]]
+        cfg = lambda: cfg_for("none", exactness="bit")  # noqa: E731
+        two = b.generate_all([(p[0], cfg()), (p[1], cfg())])  # both join before the first step
+        for x, prompt in zip(two, p):
+            assert x.stats.exactness == "bit", x.stats.exactness_reason
+            assert x.tokens == alone(engine, prompt, cfg()).tokens
+        assert any(rows == [len(p[0])] for _, rows in seen) and any(rows == [len(p[1])] for _, rows in seen)
         assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)  # no decode held a prompt beside others
     finally:
         b.close()

@@ -495,27 +495,35 @@ class BatchEngine:
         return total
 
     def _apart(self, parts: list, owners: list) -> list[tuple[list, list]]:
-        """The step's decodes: one, or two where a prompt chunk beside generating requests would cost a `bit`
+        """The step's decodes: one, or more where a prompt chunk beside other requests' rows would cost a `bit`
         request its exactness (the probe found such a pass not bit-identical: on this CPU with repacked Q4_K
         weights, a prompt beside 1-3 one-row steps). Then the generating rows decode first and the prompt chunks
-        after, on their own. Over separate KV streams that costs no extra pass: llama.cpp ran the prompt's rows
-        past its first as a pass of their own anyway (its first row shared the others' pass)."""
-        gen = [j for j, run in enumerate(owners) if run.step is not None]
-        if self.ms.unified or not gen or len(gen) == len(owners):
-            return [(parts, owners)]
+        after, on their own, and where two prompts joining in the same step would share a pass, each on its own.
+        Over separate KV streams that costs about no extra pass: llama.cpp ran a prompt's rows past the fewest any
+        sequence of its pass had as a pass of their own anyway (split_equal), so only the shared pass is split."""
         bit = {run.seq for run in owners if run.stats.exactness == "bit"}
-        if not bit:
+        if self.ms.unified or len(parts) < 2 or not bit or not self._costs_bit(parts, owners, bit):
             return [(parts, owners)]
+        gen = [j for j, run in enumerate(owners) if run.step is not None]
+        rest = [j for j in range(len(owners)) if j not in gen]
+        groups = [gen] if gen else []
+        if len(rest) > 1 and self._costs_bit([parts[j] for j in rest], [owners[j] for j in rest], bit):
+            groups += [[j] for j in rest]
+        else:
+            groups.append(rest)
+        return [([parts[j] for j in g], [owners[j] for j in g]) for g in groups]
+
+    def _costs_bit(self, parts: list, owners: list, bit: set) -> bool:
+        """Whether a pass of this decode holds a prompt chunk beside other rows, with a `bit` request among them,
+        in a shape the probe did not find bit-identical."""
         prompt_seqs = {parts[j][0] for j, run in enumerate(owners) if run.step is None}
         for ub in self.ms.passes([(p[0], len(p[1])) for p in parts]):
             seqs = {seq for seq, _, _ in ub}
             if len(ub) < 2 or not (seqs & prompt_seqs) or not (seqs & bit):
                 continue
             if not self.shape_exact(len(ub), ub[0][2], beside_prompt=True):
-                rest = [j for j in range(len(owners)) if j not in gen]
-                return [([parts[j] for j in gen], [owners[j] for j in gen]),
-                        ([parts[j] for j in rest], [owners[j] for j in rest])]
-        return [(parts, owners)]
+                return True
+        return False
 
     def _decode(self, parts: list, owners: list) -> int:
         """One llama_decode of `parts` (rows of the slots in `owners`), verified and prefilled. Returns its rows."""
