@@ -333,11 +333,13 @@ def perturb_prompt_beside_others(ms, prompt_rows=5):
     perturb_passes(ms, lambda ub, rows: any(rows[seq] >= prompt_rows for seq, _, _ in ub))
 
 
-def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine):
-    """Where a prompt chunk beside other requests' 1-row steps is not bit-identical, a step with a joining prompt
-    decodes the generating rows first and the prompt on its own: the running request and the joining one both stay
-    bit (before, the running one went lossless "beside another request's prompt chunk" the step a prompt joined).
-    Over separate KV streams that costs no extra pass: the prompt's rows past its first ran alone anyway."""
+@pytest.mark.parametrize("arrival", ["one a step", "together"])
+def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine, arrival):
+    """Where a prompt chunk beside other requests' rows is not bit-identical, a step with a joining prompt decodes
+    the generating rows first and the prompt on its own, and two prompts joining in the same step one after the
+    other: the requests all stay bit (before, the running one went lossless "beside another request's prompt
+    chunk" the step a prompt joined, and two requests arriving together both did from their first token). Over
+    separate KV streams that costs no extra pass: a prompt's rows past the shared pass ran alone anyway."""
     b = BatchEngine(engine, 4)
     try:
         perturb_prompt_beside_others(b.ms)
@@ -346,34 +348,14 @@ def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_b
         seen = count_passes(b)
         p = [engine.raw_prompt(x) for x in PROMPTS[:2]]
         cfg = lambda: cfg_for("none", exactness="bit")  # noqa: E731
-        two = staggered(b, [(p[0], cfg()), (p[1], cfg())])
+        requests = [(p[0], cfg()), (p[1], cfg())]
+        two = staggered(b, requests) if arrival == "one a step" else b.generate_all(requests)
         for x, prompt in zip(two, p):
             assert x.stats.exactness == "bit", x.stats.exactness_reason
             assert x.tokens == alone(engine, prompt, cfg()).tokens
-        # the join step: the generating row alone, then the prompt alone (no pass holds both)
-        assert any(rows == [1] for _, rows in seen) and any(rows == [len(p[1])] for _, rows in seen)
-        assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)  # no decode held a prompt beside others
-    finally:
-        b.close()
-
-
-def test_two_prompts_joining_in_one_step_decode_apart_where_together_they_would_cost_bit(engine):
-    """Two requests arriving together: their prompts would share a pass, which the probe finds not bit-identical
-    here (a prompt chunk beside other rows). Each prompt decodes on its own, and both requests stay bit (before,
-    both went lossless "beside another request's prompt chunk" from their first token)."""
-    b = BatchEngine(engine, 4)
-    try:
-        perturb_prompt_beside_others(b.ms)
-        res = b.probe_result()
-        assert res.shapes[(2, 1)] and not res.beside_prompt[2], res.why
-        seen = count_passes(b)
-        p = [engine.raw_prompt(x) for x in PROMPTS[:2]]
-        cfg = lambda: cfg_for("none", exactness="bit")  # noqa: E731
-        two = b.generate_all([(p[0], cfg()), (p[1], cfg())])  # both join before the first step
-        for x, prompt in zip(two, p):
-            assert x.stats.exactness == "bit", x.stats.exactness_reason
-            assert x.tokens == alone(engine, prompt, cfg()).tokens
-        assert any(rows == [len(p[0])] for _, rows in seen) and any(rows == [len(p[1])] for _, rows in seen)
-        assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)  # no decode held a prompt beside others
+        # each prompt decoded alone (no pass holds a prompt beside other rows)
+        assert any(rows == [len(p[1])] for _, rows in seen)
+        assert any(rows == ([1] if arrival == "one a step" else [len(p[0])]) for _, rows in seen)
+        assert all(max(rows) < 5 for _, rows in seen if len(rows) > 1)
     finally:
         b.close()
