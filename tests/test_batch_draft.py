@@ -246,7 +246,7 @@ def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cach
     cfg = lambda: cfg_for(p_min=0.0, max_tokens=20)
     results = {}
     batch.add(first, cfg(), sink=lambda ev: results.__setitem__(0, ev))
-    while batch.runs[0] is None or batch.runs[0].prefill or not batch.drafts.tokens(0):
+    while batch.runs[0] is None or batch.runs[0].prefill or len(batch.drafts.tokens(0)) < len(first) - 1:
         batch.step()
     ms = batch.drafts._multiseq()
     rows = []
@@ -264,3 +264,36 @@ def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cach
     assert caught <= len(second) - shared + 1
     assert results[1].tokens == alone(engine, second, cfg()).tokens
     assert results[0].tokens == alone(engine, first, cfg()).tokens
+
+
+def test_a_long_prompt_catches_the_draft_up_in_chunks_beside_the_running_requests(twin):
+    """Must-have: prefill of a new prompt is chunked so it does not stall the others. The target prefills 16 tokens
+    a step here; the draft model's catch-up of a new long prompt did all of it in the request's first draft step
+    (one decode of hundreds of rows, the running requests waiting). Now it catches up 16 a step, drafting nothing
+    until it is caught up, while the others keep generating; the texts are those of the single path."""
+    engine, batch = twin
+    long_prompt = engine.raw_prompt(" ".join(PROMPTS * 5))
+    assert len(long_prompt) > 8 * batch.prefill_chunk
+    cfg = lambda n: cfg_for(p_min=0.0, max_tokens=n)  # noqa: E731
+    results = {}
+    batch.add(engine.raw_prompt(PROMPTS[0]), cfg(60), sink=lambda ev: results.__setitem__(0, ev))
+    for _ in range(3):
+        batch.step()
+    ms = batch.drafts._multiseq()
+    rows = []
+    decode = ms.decode
+
+    def counting(parts, copy=True):
+        rows.append(max(len(t) for _, t, _ in parts))
+        return decode(parts, copy)
+    ms.decode = counting
+    try:
+        batch.add(long_prompt, cfg(60), sink=lambda ev: results.__setitem__(1, ev))
+        while batch.active:
+            batch.step()
+    finally:
+        del ms.decode
+    assert max(rows) <= batch.prefill_chunk
+    assert results[0].tokens == alone(engine, PROMPTS[0], cfg(60)).tokens
+    assert results[1].tokens == alone(engine, long_prompt, cfg(60)).tokens
+    assert results[1].stats.drafted > 0  # it did draft once caught up

@@ -142,10 +142,11 @@ class BatchEngine:
         self.ms = MultiSeq(engine.target, n_slots, unified=layout == "unified")
         env = os.environ.get("LOCALSPEC_BATCH_PAD", "")
         self.pad: bool | None = pad if pad is not None else (None if env == "" else env not in ("0",))  # None: by cost
-        self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified)  # the draft model, or None
+        self.prefill_chunk = max(1, int(prefill_chunk))
+        self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified,
+                                            chunk=self.prefill_chunk)  # the draft model, or None
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
-        self.prefill_chunk = max(1, int(prefill_chunk))
         self.runs: list[_Run | None] = [None] * n_slots
         self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
         self.controller_state: dict = {}
@@ -220,7 +221,7 @@ class BatchEngine:
         self.ms = MultiSeq(self.target, n, unified=True)
         if self.drafts is not None:
             self.drafts.close()
-            self.drafts = BatchDraft.for_engine(self.engine, n, unified=True)
+            self.drafts = BatchDraft.for_engine(self.engine, n, unified=True, chunk=self.prefill_chunk)
         self._ratios.clear()
         self.layout_why = (f"one unified KV cache: a full batch of {n} requests x 1 row is not bit-identical here "
                            "anyway, and in one cache a step's drafted rows join its one forward pass")

@@ -4,9 +4,10 @@ The single-sequence path drafts with drafters/draft_model.py: the draft model's 
 draft model gets a MultiSeq (llama/multiseq.py: a second context on its weights) with one sequence per slot, and a
 step drafts for every slot that chose the draft model together:
 
-1. catch-up: each drafting slot's sequence is rolled back to what it shares with the slot's context and the rest
-   of the context is decoded (logits at each slot's last row) - every slot's catch-up rows in ONE decode (more
-   only when they do not fit one batch: a long prompt's first draft);
+1. catch-up: each drafting slot's sequence is rolled back to what it shares with the slot's context (or takes a
+   longer prefix from another slot's sequence) and the rest of the context is decoded (logits at each slot's last
+   row) - every slot's catch-up rows in ONE decode; a slot more than `chunk` tokens behind (a new long prompt)
+   decodes one chunk a step beside the others and drafts nothing until it is caught up, as the target prefills;
 2. k rounds of one decode with one row per slot still drafting (greedy argmax, or a sample from q shaped like the
    target's p with the request's own rng; the q rows are kept for speculative sampling; the request's logit_bias
    on the rows, as the single path's draft_loop does). A slot stops early when the draft model is unsure (p_min,
@@ -38,6 +39,7 @@ from localspec.drafters.base import Drafter, Proposal, draft_token
 from localspec.drafters.draft_model import confident, target_row
 from localspec.seq import common_prefix
 
+CATCH_UP_CHUNK = 256  # context tokens a slot's draft sequence catches up per step at most (BatchEngine: its prefill_chunk)
 CATCH_UP_TIMED = 2  # catch-up rows beyond this make a step's draft time a catch-up, not a per-token cost (as the
 # single path: after a fully accepted proposal a slot decodes its last draft and the target's bonus token)
 
@@ -94,8 +96,11 @@ class BatchDraft:
     thread). The MultiSeq is made at the first draft, so a server whose requests never use the draft model does not
     hold its KV cache."""
 
-    def __init__(self, engine, n_slots: int, *, unified: bool = False) -> None:
+    def __init__(self, engine, n_slots: int, *, unified: bool = False, chunk: int = CATCH_UP_CHUNK) -> None:
+        """chunk: context tokens a slot's sequence catches up per step at most (a new long prompt is decoded over
+        several steps, as the target prefills it, and the slot drafts nothing until it is caught up)."""
         self.model = engine.draft
+        self.chunk = max(1, int(chunk))
         self.target = engine.target
         self.n_vocab = engine.target.n_vocab
         self.n_slots = n_slots
@@ -107,11 +112,12 @@ class BatchDraft:
         self.draft_decodes = 0
 
     @classmethod
-    def for_engine(cls, engine, n_slots: int, *, unified: bool = False) -> "BatchDraft | None":
+    def for_engine(cls, engine, n_slots: int, *, unified: bool = False, chunk: int = CATCH_UP_CHUNK
+                   ) -> "BatchDraft | None":
         """None when the engine has no draft model, or one that cannot share a batch."""
         if engine.draft is None or batch_draft_reason(engine):
             return None
-        return cls(engine, n_slots, unified=unified)
+        return cls(engine, n_slots, unified=unified, chunk=chunk)
 
     # ------------------------------------------------------------ sequences
     def _multiseq(self):
@@ -156,7 +162,7 @@ class BatchDraft:
                   ) -> dict[int, float]:
         ms = self._multiseq()
         self.catch_up_decodes = self.draft_decodes = 0
-        slots = []
+        slots, behind = [], []
         for d, context, k, sp, rng in work:
             k = min(k, ms.n_ctx - len(context) - 1)  # the draft decodes at most k-1 tokens after the context
             if k <= 0:
@@ -166,17 +172,32 @@ class BatchDraft:
             if common == len(context):
                 common -= 1  # the last context token is decoded again for its logits
             ms.truncate(d.seq, common)
+            chunk = min(self.chunk, ms.n_batch)
+            if len(context) - common > chunk:
+                # far behind (a new long prompt): catch up one chunk this step, beside the others' catch-up, and
+                # draft nothing, so the step does not stall every other request for the whole prompt
+                behind.append((d, list(context[common:common + chunk])))
+                continue
             slots.append(_Slot(d, list(context[common:]), k, sp, rng, len(context)))
-        if not slots:
+        if not slots and not behind:
             return {}
         t0 = time.perf_counter()
-        self._catch_up(slots)
+        self._catch_up(slots, behind)
         t1 = time.perf_counter()
+        rows_b = sum(len(toks) for _, toks in behind)
+        rows_all = rows_b + sum(s.n_catch_up for s in slots) or 1
+        shares = {}
+        for d, toks in behind:
+            spent = (t1 - t0) * len(toks) / rows_all
+            d.ready = Proposal([], None, spent)  # a catch-up, not a per-token cost
+            shares[d.seq] = spent
+        if not slots:
+            return shares
+        t0 += (t1 - t0) * rows_b / rows_all
         self._rounds(slots)
         t2 = time.perf_counter()
         rows_c = sum(s.n_catch_up for s in slots)
         rows_d = sum(s.decoded for s in slots) or 1
-        shares = {}
         for s in slots:
             catch = (t1 - t0) * s.n_catch_up / rows_c
             drafted = (t2 - t1) * s.decoded / rows_d
@@ -187,12 +208,19 @@ class BatchDraft:
             shares[d.seq] = catch + drafted
         return shares
 
-    def _catch_up(self, slots: list["_Slot"]) -> None:
-        """Decode every slot's missing context tokens, as few decodes as fit: logits at each slot's last one."""
+    def _catch_up(self, slots: list["_Slot"], behind: list = ()) -> None:
+        """Decode every slot's missing context tokens, as few decodes as fit: logits at each slot's last one; and
+        the chunks of the slots still far behind (`behind`: (drafter, tokens), no logits), in the first decode."""
         ms = self.ms
         todo = {id(s): 0 for s in slots}  # rows of each slot decoded so far
-        while any(todo[id(s)] < s.n_catch_up for s in slots):
+        first = list(behind)
+        while first or any(todo[id(s)] < s.n_catch_up for s in slots):
             budget, parts, owners = ms.n_batch, [], []
+            while first and len(first[0][1]) <= budget:
+                d, toks = first.pop(0)
+                parts.append((d.seq, toks, []))
+                owners.append((None, False))
+                budget -= len(toks)
             for s in slots:
                 done = todo[id(s)]
                 n = min(s.n_catch_up - done, budget)
@@ -206,7 +234,7 @@ class BatchDraft:
             outs = ms.decode(parts, copy=False)
             self.catch_up_decodes += 1
             for (s, last), rows in zip(owners, outs):
-                if last:
+                if s is not None and last:
                     s.row = self._to_target(rows[0])
 
     def _rounds(self, slots: list["_Slot"]) -> None:
