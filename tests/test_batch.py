@@ -268,3 +268,37 @@ def test_a_new_request_takes_a_shared_prefix_from_another_slots_cache(engine, la
     assert got[0].stats.cached_prompt_tokens >= shared - 1
     assert results[0].tokens == seq[0].tokens
     assert got[0].tokens == seq[1].tokens
+
+
+def test_a_slow_prefill_takes_smaller_chunks_beside_running_requests(engine, monkeypatch):
+    """Where the machine prefills slowly (Qwen 1.5B on 2 cores: ~30 tokens/s, so a 256-token chunk held a running
+    answer's next token back 8.5 s), a prompt joining beside generating requests decodes only what fits
+    PREFILL_STEP_S at the measured rate (at least PREFILL_MIN); alone it takes the whole chunk. Texts unchanged."""
+    from localspec.core import batch as B
+
+    monkeypatch.setattr(B, "PREFILL_STEP_S", 1e-9, raising=False)  # any measured rate is "slow": the floor, PREFILL_MIN
+    long_prompt = " ".join(PROMPTS * 12)
+    cfg = lambda n: cfg_for("lookup", max_tokens=n)  # noqa: E731
+    first = " ".join(PROMPTS)  # decoded alone: the prefill rate is measured on it
+    seq = [alone(engine, first, cfg(60)), alone(engine, long_prompt, cfg(10))]
+    b = BatchEngine(engine, 4, prefill_chunk=64)
+    try:
+        chunks = []  # (prompt rows, generating rows) per decode
+        decode = b.ms.decode
+
+        def counting(parts, copy=True):
+            gen = [len(t) for s, t, _ in parts if b.runs[s] is not None and not b.runs[s].prefill]
+            chunks.append((sum(len(t) for _, t, _ in parts) - sum(gen), len(gen)))
+            return decode(parts, copy)
+        b.ms.decode = counting
+        results, _ = _start(b, engine, [first], [cfg(60)])
+        b.step()  # its prompt alone
+        b.step()
+        r2, _ = _start(b, engine, [long_prompt], [cfg(10)])
+        while b.active:
+            b.step()
+    finally:
+        b.close()
+    beside = [p for (p, g), nxt in zip(chunks, chunks[1:] + [(0, 0)]) if p and (g or nxt[1])]
+    assert beside and max(beside) == 16  # beside the running request: the floor (PREFILL_MIN), not 64
+    assert results[0].tokens == seq[0].tokens and r2[0].tokens == seq[1].tokens

@@ -64,6 +64,8 @@ from localspec.errors import ContextOverflowError, UsageError
 from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
+PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
+PREFILL_MIN = 16  # ... and never fewer than this many
 PREFIX_COPY_MIN = 4  # prompt tokens another slot's cache must save a new request to be copied (MultiSeq.take_prefix)
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
@@ -153,6 +155,7 @@ class BatchEngine:
         self._exact: ProbeResult | None = None
         self._curve: dict[int, float] | None = None  # the target's T(b)/T(1), once asked for
         self._ratios: dict[tuple, dict[int, float]] = {}  # (generating slots, unified) -> a slot's verify prices
+        self._prefill_rate: float | None = None  # prompt rows decoded per second, measured (_prefill_limit)
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
 
@@ -475,10 +478,11 @@ class BatchEngine:
             run.step = (drafter, k, proposal, base, None if proposal.catch_up_s > 0.0 else t_draft)
             parts.append((run.seq, toks, range(len(toks))))
             owners.append(run)
+        limit = self._prefill_limit() if parts else self.prefill_chunk  # smaller beside generating requests
         for run in self._live():
             if not run.prefill or budget <= 0:
                 continue
-            n = min(len(run.prefill), self.prefill_chunk, budget)
+            n = min(len(run.prefill), limit, budget)
             chunk = run.prefill[:n]
             last = n == len(run.prefill)
             budget -= n
@@ -494,6 +498,16 @@ class BatchEngine:
             total += self._decode(*group)
         self._release_finished()
         return total
+
+    def _prefill_limit(self) -> int:
+        """Prompt tokens a joining request decodes in a step where other requests are generating: prefill_chunk,
+        or fewer where this machine prefills so slowly that the chunk would hold the others' next token back for
+        more than PREFILL_STEP_S (Qwen2.5-Coder-1.5B on 2 CPU cores prefills ~30 tokens/s: a 256-token chunk
+        stalled a running answer 8.5 s a step). From the prefill rate measured on earlier chunks; alone, a prompt
+        takes the whole chunk."""
+        if not self._prefill_rate:
+            return self.prefill_chunk
+        return max(PREFILL_MIN, min(self.prefill_chunk, int(self._prefill_rate * PREFILL_STEP_S)))
 
     def _apart(self, parts: list, owners: list) -> list[tuple[list, list]]:
         """The step's decodes: one, or more where a prompt chunk beside other requests' rows would cost a `bit`
@@ -535,6 +549,10 @@ class BatchEngine:
         dt = time.perf_counter() - t0
         self.steps += 1
         self.rows += total
+        prompt_rows = sum(len(p[1]) for p, run in zip(parts, owners) if run.step is None)
+        if prompt_rows >= PREFILL_MIN and dt > 0:  # the prefill rate here (rows of generating requests included)
+            rate = total / dt
+            self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
         for run, part, rows in zip(owners, parts, outs):
             share = dt * len(part[1]) / total  # this request's part of the batch's cost
             if run.step is None:
