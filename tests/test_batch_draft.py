@@ -32,6 +32,18 @@ def alone(engine, prompt, cfg):
     return engine.complete(engine.raw_prompt(prompt) if isinstance(prompt, str) else list(prompt), cfg)
 
 
+def record_rows(monkeypatch, ms) -> list[dict[int, int]]:
+    """Record, per decode of `ms`, the rows of each sequence in it."""
+    rows = []
+    decode = ms.decode
+
+    def counting(parts, copy=True):
+        rows.append({seq: len(t) for seq, t, _ in parts})
+        return decode(parts, copy)
+    monkeypatch.setattr(ms, "decode", counting)
+    return rows
+
+
 def test_draft_requests_are_batched_now(batch):
     assert batch.single_reason(cfg_for("draft")) == ""
     assert batch.drafts is not None
@@ -112,17 +124,10 @@ def test_a_continued_chat_catches_the_draft_up_from_its_slot(twin, monkeypatch):
     prompt = engine.raw_prompt(PROMPTS[2])
     first = batch.generate_all([(prompt, cfg_for(p_min=0.0, max_tokens=20))])[0]
     again = prompt + first.tokens + engine.raw_prompt(" and then")
-    ms = batch.drafts._multiseq()
-    rows = []
-    decode = ms.decode
-
-    def counting(parts, copy=True):
-        rows.append(sum(len(t) for _, t, _ in parts))
-        return decode(parts, copy)
-    monkeypatch.setattr(ms, "decode", counting)
+    rows = record_rows(monkeypatch, batch.drafts._multiseq())
     got = batch.generate_all([(again, cfg_for(p_min=0.0, max_tokens=20))])[0]
     assert got.stats.cached_prompt_tokens >= len(prompt) + len(first.tokens) - 2
-    assert rows[0] <= len(again) - len(prompt) - len(first.tokens) + 3  # the draft's first catch-up: the new part
+    assert sum(rows[0].values()) <= len(again) - len(prompt) - len(first.tokens) + 3  # the draft's first catch-up: the new part
     assert got.tokens == alone(engine, again, cfg_for(p_min=0.0, max_tokens=20)).tokens
     assert got.stats.accepted > 0
 
@@ -248,14 +253,7 @@ def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cach
     batch.add(first, cfg(), sink=lambda ev: results.__setitem__(0, ev))
     while batch.runs[0] is None or batch.runs[0].prefill or len(batch.drafts.tokens(0)) < len(first) - 1:
         batch.step()
-    ms = batch.drafts._multiseq()
-    rows = []
-    decode = ms.decode
-
-    def counting(parts, copy=True):
-        rows.append({seq: len(t) for seq, t, _ in parts})
-        return decode(parts, copy)
-    monkeypatch.setattr(ms, "decode", counting)
+    rows = record_rows(monkeypatch, batch.drafts._multiseq())
     seq = batch.add(second, cfg(), sink=lambda ev: results.__setitem__(1, ev))
     assert seq != 0
     while batch.active:
@@ -266,7 +264,7 @@ def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cach
     assert results[0].tokens == alone(engine, first, cfg()).tokens
 
 
-def test_a_long_prompt_catches_the_draft_up_in_chunks_beside_the_running_requests(twin):
+def test_a_long_prompt_catches_the_draft_up_in_chunks_beside_the_running_requests(twin, monkeypatch):
     """Must-have: prefill of a new prompt is chunked so it does not stall the others. The target prefills 16 tokens
     a step here; the draft model's catch-up of a new long prompt did all of it in the request's first draft step
     (one decode of hundreds of rows, the running requests waiting). Now it catches up 16 a step, drafting nothing
@@ -279,21 +277,11 @@ def test_a_long_prompt_catches_the_draft_up_in_chunks_beside_the_running_request
     batch.add(engine.raw_prompt(PROMPTS[0]), cfg(60), sink=lambda ev: results.__setitem__(0, ev))
     for _ in range(3):
         batch.step()
-    ms = batch.drafts._multiseq()
-    rows = []
-    decode = ms.decode
-
-    def counting(parts, copy=True):
-        rows.append(max(len(t) for _, t, _ in parts))
-        return decode(parts, copy)
-    ms.decode = counting
-    try:
-        batch.add(long_prompt, cfg(60), sink=lambda ev: results.__setitem__(1, ev))
-        while batch.active:
-            batch.step()
-    finally:
-        del ms.decode
-    assert max(rows) <= batch.prefill_chunk
+    rows = record_rows(monkeypatch, batch.drafts._multiseq())
+    batch.add(long_prompt, cfg(60), sink=lambda ev: results.__setitem__(1, ev))
+    while batch.active:
+        batch.step()
+    assert max(max(r.values()) for r in rows) <= batch.prefill_chunk
     assert results[0].tokens == alone(engine, PROMPTS[0], cfg(60)).tokens
     assert results[1].tokens == alone(engine, long_prompt, cfg(60)).tokens
     assert results[1].stats.drafted > 0  # it did draft once caught up
