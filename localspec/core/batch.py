@@ -66,7 +66,6 @@ from localspec.seq import common_prefix
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
 PREFILL_MIN = 16  # ... and never fewer than this many
-PREFIX_COPY_MIN = 4  # prompt tokens another slot's cache must save a new request to be copied (MultiSeq.take_prefix)
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
               "def f(x): return x + 1")
@@ -383,7 +382,7 @@ class BatchEngine:
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
         seq = self._choose_slot(prompt, free)
-        common = self.ms.take_prefix(seq, prompt, PREFIX_COPY_MIN)  # its own cache's, or another slot's
+        common = self.ms.take_prefix(seq, prompt)  # its own cache's, or another slot's
         if common == len(prompt):
             common -= 1  # the last prompt token is decoded again for its logits
         self.ms.truncate(seq, common)

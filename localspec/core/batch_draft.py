@@ -184,22 +184,19 @@ class BatchDraft:
         t0 = time.perf_counter()
         self._catch_up(slots, behind)
         t1 = time.perf_counter()
-        rows_b = sum(len(toks) for _, toks in behind)
-        rows_all = rows_b + sum(s.n_catch_up for s in slots) or 1
+        per_row = (t1 - t0) / (sum(len(toks) for _, toks in behind) + sum(s.n_catch_up for s in slots))
         shares = {}
         for d, toks in behind:
-            spent = (t1 - t0) * len(toks) / rows_all
+            spent = per_row * len(toks)
             d.ready = Proposal([], None, spent)  # a catch-up, not a per-token cost
             shares[d.seq] = spent
         if not slots:
             return shares
-        t0 += (t1 - t0) * rows_b / rows_all
         self._rounds(slots)
         t2 = time.perf_counter()
-        rows_c = sum(s.n_catch_up for s in slots)
         rows_d = sum(s.decoded for s in slots) or 1
         for s in slots:
-            catch = (t1 - t0) * s.n_catch_up / rows_c
+            catch = per_row * s.n_catch_up
             drafted = (t2 - t1) * s.decoded / rows_d
             d = s.drafter
             d.base, d.decoded = s.base, s.decoded

@@ -24,6 +24,9 @@ from localspec.llama.model import GGML_TYPES, free_batch_and_context
 from localspec.seq import common_prefix
 
 
+PREFIX_COPY_MIN = 4  # prompt tokens another sequence's cache must save to be copied (take_prefix)
+
+
 def split_equal(counts: Sequence[tuple[int, int]], n_ubatch: int) -> list[list[tuple[int, int, int]]]:
     """The ubatches (forward passes) llama.cpp makes of one batch when every sequence has its own KV stream:
     `llama_batch_allocr::split_equal(n_ubatch, sequential=true)` (llama-batch.cpp) takes a run of CONSECUTIVE seq
@@ -167,19 +170,22 @@ class MultiSeq:
             raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries of sequence {seq} from {n_keep}")
         del self.tokens[seq][n_keep:]
 
-    def take_prefix(self, seq: int, tokens: Sequence[int], min_gain: int = 4) -> int:
+    def take_prefix(self, seq: int, tokens: Sequence[int], min_gain: int = PREFIX_COPY_MIN) -> int:
         """How many of `tokens` sequence `seq` starts with cached: its own common prefix with them, or a longer one
         copied from another sequence's cache (copy_prefix) where that saves at least `min_gain` tokens. Chat
         requests share the template's system prompt, so a new conversation in another slot decodes only its own
         part, as llama-server's prompt cache does across slots."""
         own = best = common_prefix(self.tokens[seq], tokens)
+        min_gain = max(1, int(min_gain))
+        if own + min_gain > len(tokens):
+            return own  # no other cache can save min_gain more (a running sequence's step: only its new tokens)
         src = None
         for s in range(self.n_seq):
             if s != seq:
                 c = common_prefix(self.tokens[s], tokens)
                 if c > best:
                     best, src = c, s
-        if src is None or best - own < max(1, int(min_gain)):
+        if src is None or best - own < min_gain:
             return own
         return self.copy_prefix(src, seq, best)
 
