@@ -98,3 +98,33 @@ def test_the_front_ends_render_through_the_report():
     engine = SimpleNamespace(target=SimpleNamespace(name="t.gguf"), draft=None, dropped_draft=None)
     assert render.result_json(None, st, engine, cfg, text="x") == report.run_json(None, st, engine, cfg, text="x")
     assert render.summary_line(st, "stop") == report.summary_line(st, "stop")
+
+
+def test_the_recent_rate_reads_while_the_generation_thread_appends():
+    """The TUI's timer reads recent_rate() while the engine's thread emits tokens; iterating the live deque raised
+    "deque mutated during iteration" (a clean-clone CI run of test_tui, once)."""
+    import sys
+    import threading
+    import time
+
+    from localspec.core.stats import Stats
+
+    st = Stats()
+    st.started, st.running = time.perf_counter(), True
+    stop = threading.Event()
+
+    def emit():
+        while not stop.is_set():
+            st.token_emitted()
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    t = threading.Thread(target=emit)
+    t.start()
+    try:
+        for _ in range(3000):
+            st.recent_rate()
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(old)

@@ -143,7 +143,8 @@ class Stats:
     def recent_rate(self, window_s: float = 2.0, now: float | None = None) -> float | None:
         """tokens/s over the last `window_s` seconds of the answer (for the sparkline); None on too small a sample."""
         end = (time.perf_counter() if now is None else now) if self.running else self.started + self.elapsed_s
-        n = sum(1 for t in self.emitted_at if end - t <= window_s)
+        emitted = list(self.emitted_at)  # one C-level copy: the engine's thread appends while the TUI reads
+        n = sum(1 for t in emitted if end - t <= window_s)
         span = min(window_s, self.generation_s)
         if n < self.MIN_RATE_TOKENS or span < self.MIN_RATE_S:
             return None
