@@ -154,19 +154,25 @@ def cached_probes() -> list[dict]:
     """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size."""
     out = []
     for key, entry in read_json(CACHE_FILE).items():
-        if isinstance(entry, dict) and "batch" in entry and not key.startswith("cost|"):
+        if isinstance(entry, dict) and "batch" in entry and not key.startswith(("cost|", COST_KEY)):
             out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()}})
     return out
 
 
 # ------------------------------------------------------------------ what a verify batch costs here
 COST_MIN_UPTO = 9  # measured at least up to this batch (k = 8), so most k changes need no new measurement
-COST_REPS = 3
+COST_REPS = 5
+COST_KEY = "cost2|"  # cost|: timed one size after the other (time_batches' docstring), measured again
 
 
 def time_batches(model, upto: int, reps: int = COST_REPS, cancel=None) -> dict[int, float]:
     """Seconds per decode of b rows (all logits, as a verify pass) for b in 1..upto, the median of `reps` timed
-    decodes after a 64-token prefix; the model's cache is restored afterwards. Also bench's same-run curve."""
+    decodes after a 64-token prefix; the model's cache is restored afterwards. Also bench's same-run curve.
+
+    The sizes are timed in interleaved sweeps (1..upto, then upto..1, ...) after one untimed sweep, so a machine
+    that slows down or speeds up while it measures shifts every size alike. Timed one size after the other (three
+    decodes of 1 row, then three of 2, ...), a busy first second on a 2-core AMD EPYC made 5-9 rows look 10-30%
+    cheaper than they are, the calibration kept that for good, and auto drafted where it lost (write code 0.92x)."""
     saved = list(model.tokens)
     model.clear()
     try:
@@ -176,17 +182,18 @@ def time_batches(model, upto: int, reps: int = COST_REPS, cancel=None) -> dict[i
         model.decode(ids[:64])
         base = len(model.tokens)
         _mark(model)
-        t = {}
-        for b in range(1, upto + 1):
-            ts = []
-            for _ in range(reps):
+        sizes = list(range(1, upto + 1))
+        ts: dict[int, list[float]] = {b: [] for b in sizes}
+        for sweep in range(reps + 1):
+            for b in sizes if sweep % 2 == 0 else sizes[::-1]:
                 _check(cancel)
                 t0 = time.perf_counter()
                 model.decode(ids[64 : 64 + b], "all")
-                ts.append(time.perf_counter() - t0)
+                dt = time.perf_counter() - t0
                 model.truncate(base)
-            t[b] = statistics.median(ts)
-        return t
+                if sweep:  # the first sweep warms the kernels and buffers up for every size
+                    ts[b].append(dt)
+        return {b: statistics.median(v) for b, v in ts.items()}
     finally:
         model.clear()
         if saved:
@@ -205,7 +212,7 @@ def verify_costs(model, upto: int) -> dict[int, float]:
     starts from it instead of a guessed slope: on a 2-core AVX-512 CPU a batch of 4 rows costs less than one of 3
     (the repacked GEMM), on a GPU 9 rows cost about one."""
     upto = max(upto, COST_MIN_UPTO)
-    key = "cost|" + _key(model, 0)
+    key = COST_KEY + _key(model, 0)
     entry = read_json(CACHE_FILE).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("ratio"), dict) and len(entry["ratio"]) >= upto:
         return {int(b): float(v) for b, v in entry["ratio"].items()}
@@ -221,7 +228,7 @@ def cached_costs() -> list[dict]:
     """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b."""
     out = []
     for key, entry in read_json(CACHE_FILE).items():
-        if key.startswith("cost|") and isinstance(entry, dict) and isinstance(entry.get("ratio"), dict):
+        if key.startswith(COST_KEY) and isinstance(entry, dict) and isinstance(entry.get("ratio"), dict):
             out.append({"model": entry.get("model"), "threads": entry.get("threads"), "gpu_layers": entry.get("gpu_layers"),
                         "ratio": {int(b): float(v) for b, v in entry["ratio"].items()}})
     return out
