@@ -124,3 +124,28 @@ def check_cancel_mid_batch(engine, batch, cfg, steps: int) -> None:
     for i in (0, 2, 3):
         assert results[i].tokens == seq[i].tokens
         assert results[i].finish_reason == seq[i].finish_reason
+
+
+@pytest.fixture(scope="session")
+def exact_batching(target_path):
+    """(exact, why): BatchEngine's probe on the tiny target with 4 slots. Whether batched rows are bit-identical to
+    one-token decoding is a property of the CPU's kernels, not of localspec: on a 2-core AMD EPYC with AVX512-BF16,
+    BF16-KV flash attention sums a row differently when another request's cache in the pass is longer."""
+    from localspec.core.batch import BatchEngine
+    from localspec.core.engine import Engine
+
+    e = Engine.load(target_path, n_ctx=1024)
+    b = BatchEngine(e, 4, prefill_chunk=16)
+    try:
+        return b.probe()
+    finally:
+        b.close()
+        e.close()
+
+
+def require_exact_batching(res) -> None:
+    """Tests of what `bit` requests keep under batching need a machine where batching can be bit-exact at all."""
+    exact, why = res
+    if not exact:
+        pytest.skip(f"batching is not bit-exact with this CPU's kernels ({why}); the probe's verdict is checked "
+                    "against a direct decode in test_batch.py")

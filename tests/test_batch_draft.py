@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from conftest import PROMPTS, check_cancel_mid_batch
+from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine, GenConfig
 from localspec.core.sampling import SamplingParams
@@ -50,7 +50,8 @@ def test_draft_requests_are_batched_now(batch):
 
 
 @pytest.mark.parametrize("p_min", [0.75, 0.0])
-def test_four_draft_requests_at_once_equal_four_one_after_another(engine, batch, p_min):
+def test_four_draft_requests_at_once_equal_four_one_after_another(engine, batch, p_min, exact_batching):
+    require_exact_batching(exact_batching)
     seq = [alone(engine, p, cfg_for(p_min=p_min)) for p in PROMPTS]
     got = batch.generate_all([(engine.raw_prompt(p), cfg_for(p_min=p_min)) for p in PROMPTS])
     for a, b in zip(seq, got):
@@ -61,7 +62,8 @@ def test_four_draft_requests_at_once_equal_four_one_after_another(engine, batch,
     assert sum(r.stats.drafted for r in got) > 0  # the draft model did draft
 
 
-def test_sampled_draft_requests_match_the_single_path_at_its_exactness(engine, batch):
+def test_sampled_draft_requests_match_the_single_path_at_its_exactness(engine, batch, exact_batching):
+    require_exact_batching(exact_batching)
     def cfgs():
         return [cfg_for(sampling=SamplingParams(temperature=0.9, seed=s), p_min=0.0) for s in (1, 2, 3, 4)]
     seq = [alone(engine, PROMPTS[i], c) for i, c in enumerate(cfgs())]

@@ -5,7 +5,7 @@ decodes those shapes; a step pads its slots to one pass where that keeps each re
 import numpy as np
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, require_exact_batching
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import GenConfig
 from localspec.llama.multiseq import split_equal
@@ -100,10 +100,11 @@ def test_split_equal_matches_what_llama_cpp_computes(engine):
 
 
 # ------------------------------------------------------------------ the probe
-def test_the_probe_sees_passes_of_four_rows_from_four_requests(engine):
+def test_the_probe_sees_passes_of_four_rows_from_four_requests(engine, exact_batching):
     """A build whose logits change only in passes of >= 4 rows (4 requests x 1 row, 2 x 2, ...): the probe must
     not call batching bit-exact. (The old probe decoded two sequences only, and llama.cpp split its '3 rows of
     another request' case into 1 + 1 rows and then that request alone: it said bit.)"""
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:
         perturb_big_passes(b.ms)
@@ -116,7 +117,8 @@ def test_the_probe_sees_passes_of_four_rows_from_four_requests(engine):
         b.close()
 
 
-def test_the_probe_calls_exact_only_what_is(engine):
+def test_the_probe_calls_exact_only_what_is(engine, exact_batching):
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:
         exact, why = b.probe()
@@ -127,9 +129,10 @@ def test_the_probe_calls_exact_only_what_is(engine):
         b.close()
 
 
-def test_exactness_is_per_request_from_the_passes_it_shared(engine):
+def test_exactness_is_per_request_from_the_passes_it_shared(engine, exact_batching):
     """Where passes of 4+ rows are not bit-exact: a request that runs alone stays bit; requests that share such a
     pass report lossless, and why; the texts are still the sequential ones (margins far above the noise)."""
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:
         perturb_big_passes(b.ms)
@@ -164,7 +167,8 @@ def repeating_prompt(engine, i):
     return p + own + p + own + p
 
 
-def test_slots_with_different_draft_lengths_take_one_pass_and_give_the_same_texts(engine):
+def test_slots_with_different_draft_lengths_take_one_pass_and_give_the_same_texts(engine, exact_batching):
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4, pad=True)
     try:
         prompts = [repeating_prompt(engine, 0), engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 2),
@@ -195,9 +199,10 @@ def test_slots_with_different_draft_lengths_take_one_pass_and_give_the_same_text
         b.close()
 
 
-def test_no_padding_past_what_a_bit_request_may_share(engine):
+def test_no_padding_past_what_a_bit_request_may_share(engine, exact_batching):
     """Where passes of 4+ rows are not bit-exact, a bit request's 1-row step is not padded up to its neighbour's
     drafts (that would make the pass inexact): uneven rows stay uneven there."""
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 2)
     try:
         perturb_big_passes(b.ms, min_rows=4)
@@ -334,12 +339,13 @@ def perturb_prompt_beside_others(ms, prompt_rows=5):
 
 
 @pytest.mark.parametrize("arrival", ["one a step", "together"])
-def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine, arrival):
+def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine, arrival, exact_batching):
     """Where a prompt chunk beside other requests' rows is not bit-identical, a step with a joining prompt decodes
     the generating rows first and the prompt on its own, and two prompts joining in the same step one after the
     other: the requests all stay bit (before, the running one went lossless "beside another request's prompt
     chunk" the step a prompt joined, and two requests arriving together both did from their first token). Over
     separate KV streams that costs no extra pass: a prompt's rows past the shared pass ran alone anyway."""
+    require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:
         perturb_prompt_beside_others(b.ms)

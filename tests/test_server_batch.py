@@ -10,6 +10,8 @@ import threading
 
 import pytest
 
+from conftest import require_exact_batching
+
 pytest.importorskip("uvicorn")
 
 from test_server import Served, _env, cli, running  # noqa: E402
@@ -77,7 +79,8 @@ def text(r: dict) -> str:
     return r["choices"][0]["message"]["content"]
 
 
-def test_health_and_metrics_show_the_slots(batched):
+def test_health_and_metrics_show_the_slots(batched, exact_batching):
+    require_exact_batching(exact_batching)
     h = batched.health()
     assert h["slots"] == 4 and h["active_slots"] == 0 and not h["generating"]
     # --kv-layout auto keeps separate streams where a full batch is bit-identical (the tiny F16 model)

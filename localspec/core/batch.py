@@ -293,9 +293,14 @@ class BatchEngine:
                 beside[s] = ok and np.array_equal(ms.decode([(0, ext[head:head + 1], [0])])[0][0], after)
                 for j in range(1, s):
                     ms.truncate(j, head)
-            rolled = self._probe_rollbacks(toks)
+            spans = self._probe_lengths(toks)
+            rolled = spans and self._probe_rollbacks(toks)
         finally:
             ms.clear()
+        if not spans:
+            return ProbeResult(False, "a row's logits change with the cache length of another request in its pass "
+                               "(flash attention spans the longest cache of the pass; with BF16 KV on CPUs with "
+                               "AVX512-BF16 the extra masked cells change the sums)")
         if not rolled:
             return ProbeResult(False, "a row's logits change when other requests' rolled-back drafts leave its cache "
                                "cells out of position order")
@@ -312,6 +317,11 @@ class BatchEngine:
             what.append("a prompt chunk decoded beside " + ", ".join(f"{s - 1}" for s, ok in beside.items() if not ok)
                         + " other requests' rows changes its or their logits")
         return ProbeResult(False, "; ".join(what), shapes, beside, blanket=False)
+
+    def _probe_lengths(self, toks: list[int]) -> bool:
+        """A sequence's row decoded beside another request's row whose cache is longer (every pass of a running
+        batch: requests started at different times) equals its one-token decoding alone."""
+        return probe_lengths(self.ms, toks)
 
     def _probe_rollbacks(self, toks: list[int]) -> bool:
         """Another request's rejected rows rolled back beside a sequence between its steps leave its logits alone."""
@@ -794,6 +804,24 @@ def _pass_cost(curve: dict[int, float], b: int) -> float:
     top = max(curve)
     slope = (curve[top] - curve[top - 1]) if top - 1 in curve else 1.0
     return curve[top] + max(slope, 0.0) * (b - top)
+
+
+def probe_lengths(ms, toks: list[int], steps: int = 12) -> bool:
+    """Whether sequence 0's logits, decoded one token a step beside sequence 1 (one row a step, its cache
+    `len(toks) // 2 + 1` tokens longer), equal its one-token decoding alone, over `steps` steps."""
+    long = (toks * (steps // max(len(toks), 1) + 1))[:steps]
+    ms.clear()
+    refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in long]
+    ms.clear()
+    for t in toks[: len(toks) // 2 + 1]:
+        ms.decode([(1, [t], [])])
+    for i, t in enumerate(long):
+        got = ms.decode([(1, [toks[i % len(toks)]], []), (0, [t], [0])])[1][0]
+        if not np.array_equal(got, refs[i]):
+            ms.clear()
+            return False
+    ms.clear()
+    return True
 
 
 def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, upto: int) -> dict[int, float]:
