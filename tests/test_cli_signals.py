@@ -91,3 +91,21 @@ def test_worker_death_under_json_or_no_stream_prints_the_answer_so_far(long_mode
         assert d["rpc_workers"] == [w.endpoint]
     else:
         assert out.strip() and b"ggml" not in out
+
+
+def test_main_called_in_process_gives_ctrl_c_back_after_a_stop(monkeypatch):
+    """main() ignored SIGINT, SIGTERM and SIGHUP after a stop, so that the interpreter's teardown survives a second
+    Ctrl-C; called in-process (an embedder, this test suite) it left Ctrl-C ignored for good: in one full test run
+    the later start-up Ctrl-C tests' children inherited the ignored SIGINT and ran to the end. Ignoring is for the
+    process's own exit (main() with no argv: the console script, python -m localspec)."""
+    from localspec.cli import app as cli_app
+
+    def stopped(argv):
+        cli_app._on_signal(signal.SIGINT, None)  # what a Ctrl-C does while a command runs
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(cli_app, "_main", stopped)
+    with pytest.raises(SystemExit) as exc:
+        cli_app.main(["run", "x"])
+    assert exc.value.code == 130
+    assert signal.getsignal(signal.SIGINT) is before

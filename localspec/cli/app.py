@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> None:
         _interrupted()
     finally:
         try:
-            if state.signals:  # stopping: the interpreter's teardown (freeing the models) resets Python handlers
-                for sig in _STOP_SIGNALS:  # to the default, which a second Ctrl-C then dies of; ignoring survives
+            if state.signals and argv is None:  # the process stops: the interpreter's teardown (freeing the
+                # models) resets Python handlers to the default, which a second Ctrl-C then dies of; ignoring
+                # survives. Called in-process (an embedder, tests), Ctrl-C is given back below instead.
+                for sig in _STOP_SIGNALS:
                     signal.signal(sig, signal.SIG_IGN)
             elif previous is not None:
                 signal.signal(signal.SIGINT, previous)
