@@ -249,62 +249,48 @@ class BatchEngine:
             return ProbeResult(False, "all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other "
                                "requests' rollbacks a request's cache cells are no longer in position order, and "
                                "attention sums them in cell order")
-        text = [t for t in target.tokenize(PROBE_TEXT, add_special=False) if 0 <= t < target.n_vocab] or [1, 2, 3, 4]
         n, most = self.n_slots, self.bit_rows()
-        ext = [text[i % len(text)] for i in range(PROBE_HEAD + most)]
-        toks, head = ext[:PROBE_HEAD], PROBE_HEAD
+        # whether a GEMM row rounds as the GEMV row does depends on the values: every check runs on two texts (one
+        # missed a 4 x 1 pass and a prompt chunk that differ on Qwen 0.5B Q4_K with AVX-512)
+        texts = []
+        for source in (PROBE_TEXT, PROBE_TEXT_ALT):
+            got = [t for t in target.tokenize(source, add_special=False) if 0 <= t < target.n_vocab]
+            if got or not texts:
+                got = got or [1, 2, 3, 4]
+                texts.append([got[i % len(got)] for i in range(PROBE_HEAD + most)])
+        toks, head = texts[0][:PROBE_HEAD], PROBE_HEAD
         try:
             # one-token decoding here, alone: the reference for every row below
-            ms.clear()
-            refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in ext]
+            refs = [one_token_rows(ms, ex) for ex in texts]
             target.clear()
             for t in toks:
                 one = target.decode([t], "last")[0]
             target.clear()
-            if not np.array_equal(one, refs[head - 1]):
+            if not np.array_equal(one, refs[0][head - 1]):
                 return ProbeResult(False, "one-token decoding in the batch context differs from the target's own "
                                    "context")
-            # every pass shape a bit request can be in: s sequences x r rows each, all rows' logits wanted
-            ms.clear()
-            for s in range(n):
-                for t in toks:
-                    ms.decode([(s, [t], [])])
+            # every pass shape a bit request can be in: s sequences x r rows each, all rows' logits wanted (on the
+            # second text, only the shapes of several requests that the first found bit-identical)
             shapes: dict[tuple[int, int], bool] = {}
-            for s in range(1, n + 1):
-                for r in range(1, most + 1):
-                    if s * r > ms.n_batch:
-                        continue
-                    outs = ms.decode([(j, ext[head:head + r], range(r)) for j in range(s)])
-                    shapes[(s, r)] = all(np.array_equal(o[i], refs[head + i]) for o in outs for i in range(r))
-                    for j in range(s):
-                        ms.truncate(j, head)
-            # whether a GEMM row rounds as the GEMV row does depends on the values: the same shapes again after
-            # other tokens (one text missed a 4 x 1 pass that differs on Qwen 0.5B Q4_K with AVX-512)
-            alt = [t for t in target.tokenize(PROBE_TEXT_ALT, add_special=False) if 0 <= t < target.n_vocab]
-            if alt:
-                alt_ext = [alt[i % len(alt)] for i in range(PROBE_HEAD + most)]
-                ms.clear()
-                alt_refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in alt_ext]
+            for ex, rf in zip(texts, refs):
                 ms.clear()
                 for s in range(n):
-                    for t in alt_ext[:head]:
+                    for t in ex[:head]:
                         ms.decode([(s, [t], [])])
-                for (s, r), ok in list(shapes.items()):
-                    if not ok or s < 2:
-                        continue
-                    outs = ms.decode([(j, alt_ext[head:head + r], range(r)) for j in range(s)])
-                    shapes[(s, r)] = all(np.array_equal(o[i], alt_refs[head + i]) for o in outs for i in range(r))
-                    for j in range(s):
-                        ms.truncate(j, head)
-                ms.clear()
-                for s in range(n):
-                    for t in toks:
-                        ms.decode([(s, [t], [])])
+                for s in range(1, n + 1):
+                    for r in range(1, most + 1):
+                        if s * r > ms.n_batch or ((s, r) in shapes and (s < 2 or not shapes[(s, r)])):
+                            continue
+                        outs = ms.decode([(j, ex[head:head + r], range(r)) for j in range(s)])
+                        shapes[(s, r)] = all(np.array_equal(o[i], rf[head + i]) for o in outs for i in range(r))
+                        for j in range(s):
+                            ms.truncate(j, head)
             # a prompt decoded beside s - 1 other requests' pending rows: its last row (the first token's logits)
             # equals the target's own prefill, the rows beside it their references, and the cache it leaves
             # decodes on alike
             beside: dict[int, bool] = {s: True for s in range(2, n + 1)}
-            for tk, ex, rf in [(toks, ext, refs)] + ([(alt_ext[:head], alt_ext, alt_refs)] if alt else []):
+            for ex, rf in zip(texts, refs):
+                tk = ex[:head]
                 target.clear()
                 own = target.decode(tk, "last")[0].copy()
                 after = target.decode(ex[head:head + 1], "last")[0].copy()
@@ -321,7 +307,7 @@ class BatchEngine:
                     beside[s] = beside[s] and ok
                     for j in range(1, s):
                         ms.truncate(j, head)
-            spans = self._probe_lengths(toks)
+            spans = probe_lengths(ms, toks)
             rolled = spans and self._probe_rollbacks(toks)
         finally:
             ms.clear()
@@ -346,18 +332,11 @@ class BatchEngine:
                         + " other requests' rows changes its or their logits")
         return ProbeResult(False, "; ".join(what), shapes, beside, blanket=False)
 
-    def _probe_lengths(self, toks: list[int]) -> bool:
-        """A sequence's row decoded beside another request's row whose cache is longer (every pass of a running
-        batch: requests started at different times) equals its one-token decoding alone."""
-        return probe_lengths(self.ms, toks)
-
     def _probe_rollbacks(self, toks: list[int]) -> bool:
         """Another request's rejected rows rolled back beside a sequence between its steps leave its logits alone."""
         ms = self.ms
         long = (toks * 2)[:10]
-        ms.clear()
-        refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in long]
-        ms.clear()
+        refs = one_token_rows(ms, long)
         ms.decode([(1, [toks[0]], [])])
         for i, t in enumerate(long):
             got = ms.decode([(1, [toks[1]] * 3, []), (0, [t], [0])])[1][0]
@@ -834,22 +813,31 @@ def _pass_cost(curve: dict[int, float], b: int) -> float:
     return curve[top] + max(slope, 0.0) * (b - top)
 
 
+def one_token_rows(ms, tokens: list[int]) -> list[np.ndarray]:
+    """Sequence 0's logits for each of `tokens`, decoded one a step from an empty cache: the probes' reference.
+    Every cache is empty again afterwards."""
+    ms.clear()
+    rows = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in tokens]
+    ms.clear()
+    return rows
+
+
 def probe_lengths(ms, toks: list[int], steps: int = 12) -> bool:
     """Whether sequence 0's logits, decoded one token a step beside sequence 1 (one row a step, its cache
-    `len(toks) // 2 + 1` tokens longer), equal its one-token decoding alone, over `steps` steps."""
+    `len(toks) // 2 + 1` tokens longer: requests started at different times, every pass of a running batch), equal
+    its one-token decoding alone, over `steps` steps."""
     long = (toks * (steps // max(len(toks), 1) + 1))[:steps]
-    ms.clear()
-    refs = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in long]
-    ms.clear()
-    for t in toks[: len(toks) // 2 + 1]:
-        ms.decode([(1, [t], [])])
-    for i, t in enumerate(long):
-        got = ms.decode([(1, [toks[i % len(toks)]], []), (0, [t], [0])])[1][0]
-        if not np.array_equal(got, refs[i]):
-            ms.clear()
-            return False
-    ms.clear()
-    return True
+    refs = one_token_rows(ms, long)
+    try:
+        for t in toks[: len(toks) // 2 + 1]:
+            ms.decode([(1, [t], [])])
+        for i, t in enumerate(long):
+            got = ms.decode([(1, [toks[i % len(toks)]], []), (0, [t], [0])])[1][0]
+            if not np.array_equal(got, refs[i]):
+                return False
+        return True
+    finally:
+        ms.clear()
 
 
 def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, upto: int) -> dict[int, float]:
