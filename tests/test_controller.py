@@ -1,5 +1,6 @@
 """The adaptive controller on synthetic acceptance streams and timings (no model)."""
 
+import pytest
 import numpy as np
 
 from localspec.core.policy import AdaptivePolicy, DrafterEstimate, VerifyCurve, best_k, expected_tokens
@@ -235,3 +236,67 @@ def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated()
     runs = [run(seed) for seed in range(6)]
     assert max(max(c) for c, _ in runs) > 0  # it speculates at all
     assert all(r == runs[0] for r in runs[1:])
+
+
+class ShadowLookup(Drafter):
+    """A free drafter judged by shadow over a known answer: from every position it proposes `right` for the next
+    tokens where they are in `copied`, else a token the answer never has."""
+
+    name = "lookup"
+    shadowed = True
+
+    def __init__(self, answer, copied, prior=None):
+        self.answer, self.copied, self.prior = answer, copied, prior
+
+    def offer(self, context, k):
+        return Offer(k, "lookup@x", self.prior)
+
+    def propose(self, context, k, sp, rng):
+        from localspec.drafters.base import Proposal
+
+        n = len(context)
+        return Proposal([self.answer[n + j] if (n + j) in self.copied else -1
+                         for j in range(k) if n + j < len(self.answer)])
+
+
+def test_a_shadow_on_a_step_every_drafting_run_skips_is_not_judged_by_its_key():
+    """Right after a shadow whose first token was right, a run drafting there (any k) emitted that token and the next
+    in one step, so it never stands on this step: judging it anyway counted a copied span's L hits against its one
+    miss, where a drafting run meets the miss once in every few steps (the extract-JSON answer, 0.94x plain replayed on
+    the 2-core EPYC curve). Its figures still count for the drafter's pooled estimate (the evidence to leave the bit
+    cap), and by its key where the step drafts after all."""
+    answer = list(range(100, 140))
+    lk = ShadowLookup(answer, copied=set(range(10, 14)))  # right from position 10 to 13
+    p = AdaptivePolicy({"lookup": lk}, k_max=4, cost_prior={"lookup": 0.0},
+                       verify_prior={b: 1.0 + 0.75 * (b - 1) for b in range(1, 10)})  # nothing pays: plain steps
+    p.observe(None, 0, 0, 0, 0.0, T1)
+    for n in range(9, 16):
+        drafter, k = p.choose(answer[:n])
+        assert drafter is None
+        p.observe(None, 0, 0, 0, 0.0, T1)
+    keyed, pooled = p.est["lookup@x"], p.est["lookup"]
+    # keyed shadows: at 9 (miss), 10 (hit: 11 is skipped), 12 (hit: 13 skipped), 14 (miss); pooled: all of 9..14
+    assert keyed.tried[0] == pytest.approx(sum(0.9 ** i for i in range(4)))
+    assert keyed.acc[0] == pytest.approx(0.9 ** 1 + 0.9 ** 2)
+    assert pooled.tried[0] == pytest.approx(sum(0.9 ** i for i in range(6)))
+
+    # a skipped step that drafts is judged by its key
+    p2 = AdaptivePolicy({"lookup": lk}, k_max=4, cost_prior={"lookup": 0.0}, verify_prior={b: 1.0 for b in range(1, 10)})
+    p2.observe(None, 0, 0, 0, 0.0, T1)
+    for n in (10, 11):  # flat curve: both steps draft
+        drafter, k = p2.choose(answer[:n])
+        assert drafter is lk and k > 0
+        p2.observe(drafter, k, k, 0, 0.0, T1)
+    p2.choose(answer[:16])
+    assert p2.est["lookup@x"].tried[0] == pytest.approx(1.9)  # positions 10 and 11, the latter covered but drafted
+
+
+def test_an_offer_names_the_prior_its_estimate_starts_from():
+    answer = list(range(100, 140))
+    for prior, drafts in ((0.3, False), (0.95, True)):
+        p = AdaptivePolicy({"lookup": ShadowLookup(answer, set(), prior)}, k_max=2, cost_prior={"lookup": 0.0},
+                           verify_prior={1: 1.0, 2: 1.75, 3: 2.25})
+        p.observe(None, 0, 0, 0, 0.0, T1)
+        drafter, k = p.choose(answer[:5])
+        assert (drafter is not None and k > 0) == drafts
+        assert p.est["lookup@x"].prior_alpha == prior

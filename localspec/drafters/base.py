@@ -47,6 +47,7 @@ class Offer:
 
     k: int
     key: str
+    prior: float | None = None  # the acceptance to assume for `key` until measured (None: the drafter's prior_alpha)
 
 
 class Drafter(ABC):
