@@ -4,7 +4,7 @@ import pytest
 import numpy as np
 
 from localspec.core.policy import AdaptivePolicy, DrafterEstimate, VerifyCurve, best_k, expected_tokens
-from localspec.drafters.base import Drafter, Offer
+from localspec.drafters.base import Drafter, Offer, Proposal
 
 T1 = 0.030
 
@@ -252,8 +252,6 @@ class ShadowLookup(Drafter):
         return Offer(k, "lookup@x", self.prior)
 
     def propose(self, context, k, sp, rng):
-        from localspec.drafters.base import Proposal
-
         n = len(context)
         return Proposal([self.answer[n + j] if (n + j) in self.copied else -1
                          for j in range(k) if n + j < len(self.answer)])

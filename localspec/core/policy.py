@@ -204,7 +204,6 @@ class AdaptivePolicy:
         self.since_used = {name: 0 for name in drafters}
         self.last_choice = ("none", 0, 0.0)
         self._probing: str | None = None
-        self._key_prior: dict[str, float] = {}  # key -> the acceptance its drafter expects of it, until measured
         self._est_key: dict[str, str] = {}  # drafter name -> the estimate its latest proposal was judged by
         # Shadow proposals of free drafters (prompt lookup): every step such a drafter has a match, its whole
         # proposal (k_max tokens) is noted, drafted or not, and judged against the tokens the target then emits.
@@ -215,21 +214,20 @@ class AdaptivePolicy:
         # it out for a whole copied block until the next probe.
         self._shadows: list[tuple[str, str, int, list[int], int]] = []  # (name, key, position, tokens, judged)
         self._shadowed: set[str] = set()  # drafters whose step this is judged by its shadow
-        # Judged by its key, a shadow stands where a drafting run would: not inside the accepted stretch of the
-        # previous one it judged (_covered)
-        self._stride: dict[str, tuple[int, list[int]]] = {}  # drafter -> (position, tokens) of its latest keyed shadow
+        # Judged by its key, a shadow stands where a drafting run would: not on the step right after a keyed shadow
+        # whose first token was right (_covered)
+        self._last_keyed: dict[str, tuple[int, list[int]]] = {}  # drafter -> (position, tokens) of its latest keyed shadow
         self._held: dict[str, str] = {}  # drafter -> the key of this step's covered shadow, if the step drafts
 
-    def _estimate(self, key: str, name: str) -> DrafterEstimate:
+    def _estimate(self, key: str, name: str, prior: float | None = None) -> DrafterEstimate:
         """A drafter's offer names the estimate that judges it: prompt lookup keeps one per length of the matched
         context ("lookup@12+"), since a match that reaches 12 tokens back is a copy in progress, accepted far more
         often than a 2-token match in prose, and one pooled figure made auto decline the copies after a few failed
-        prose matches. A new key starts from the prior, not from the pooled figure (which the failed short matches
-        pulled down)."""
+        prose matches. A new key starts from the prior its offer names (else the drafter's), not from the pooled
+        figure (which the failed short matches pulled down)."""
         est = self.est.get(key)
         if est is None:
-            prior = self._key_prior.get(key, self.est[name].prior_alpha)
-            est = self.est[key] = DrafterEstimate(prior_alpha=prior)
+            est = self.est[key] = DrafterEstimate(prior_alpha=self.est[name].prior_alpha if prior is None else prior)
         return est
 
     def _plain_rate(self) -> float | None:
@@ -258,8 +256,6 @@ class AdaptivePolicy:
                 continue  # nothing to offer this step (prompt lookup without a match)
             k_cap, key = offer.k, offer.key
             self._est_key[name] = key
-            if offer.prior is not None:
-                self._key_prior.setdefault(key, offer.prior)
             if self._free(name):
                 shadow = list(drafter.propose(context, k_cap, None, None).tokens)
                 if shadow:
@@ -271,7 +267,7 @@ class AdaptivePolicy:
                     if covered:
                         self._held[name] = key
                     self._shadowed.add(name)
-            est = self._estimate(key, name)
+            est = self._estimate(key, name, offer.prior)
             t_tok = self._t_token(name, plain)
             cap = k_cap if self.bit_cap is None else min(k_cap, self.bit_cap)
             k, rate = best_k(est, self.curve, cap, t_tok)
@@ -357,7 +353,7 @@ class AdaptivePolicy:
         self._shadows.append((name, key, pos, tokens, done))
         del self._shadows[:-SHADOW_MAX]
         if key != name:
-            self._stride[name] = (pos, tokens)
+            self._last_keyed[name] = (pos, tokens)
 
     def _covered(self, name: str, context: Sequence[int]) -> bool:
         """Whether the drafter's latest keyed shadow stood on the step before this one and its first token was right:
@@ -366,7 +362,7 @@ class AdaptivePolicy:
         drafting run meets its end about once in every L/(k+1) + 1 steps: the short copies of an extract-JSON answer
         (L ~ 3-5) looked accepted 0.75-0.8 of the time, and auto drafted them at a loss (0.94x plain replayed on the
         2-core EPYC curve). Skipping the steps every drafting run skips keeps the figure k-free."""
-        last = self._stride.get(name)
+        last = self._last_keyed.get(name)
         if last is None:
             return False
         pos, toks = last
