@@ -64,3 +64,12 @@ def test_responses_stream_events(open_api):
 def test_bad_responses_requests_are_400(open_api, body, param):
     status, _, err = open_api.raw("POST", "/v1/responses", json.dumps(body))
     assert status == 400 and err["error"]["param"] == param, err
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_a_max_output_tokens_below_one_names_max_output_tokens(open_api, value):
+    status, _, err = open_api.raw("POST", "/v1/responses", json.dumps({"input": "hi", "max_output_tokens": value}))
+    assert status == 400 and err["error"]["param"] == "max_output_tokens", err
+    message = err["error"]["message"]
+    assert "max_output_tokens" in message and "max_tokens" not in message.replace("max_output_tokens", ""), message
+    assert str(value) in message

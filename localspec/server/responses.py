@@ -26,7 +26,10 @@ class ResponsesRequest(Common):
 
 
 def messages_of(req: ResponsesRequest) -> list[dict]:
-    """The chat messages of a Responses request (instructions first, as the system message)."""
+    """The chat messages of a Responses request (instructions first, as the system message). Its own fields are
+    checked here, so a 400 names the field the client sent (max_output_tokens, not the max_tokens it becomes)."""
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise APIError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}", param="max_output_tokens")
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: this server keeps no responses; send the "
                             "conversation in input", param="previous_response_id")
