@@ -122,15 +122,13 @@ class Scripted:
         outer = self
 
         class Recording(ChatTemplate):
-            def segments(self, messages, add_generation_prompt=True, tools=None):
-                segs = super().segments(messages, add_generation_prompt, tools=tools)
+            def segments(self, messages, add_generation_prompt=True, tools=None, **kw):
+                segs = super().segments(messages, add_generation_prompt, tools=tools, **kw)
                 outer.prompts.append("".join(s.text for s in segs))
                 return segs
 
         tmpl = Recording(TOOL_TEMPLATE, origin="the test template")
         monkeypatch.setattr(engine, "chat_template", lambda: tmpl)
-        monkeypatch.setattr(engine, "chat_prompt", lambda msgs: engine.target.tokenize_segments(
-            [(s.text, s.content) for s in tmpl.segments(msgs)]))
         monkeypatch.setattr(engine, "generate", self.generate)
 
     def generate(self, tokens, cfg, cancel=None):

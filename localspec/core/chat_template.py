@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from localspec.errors import LocalspecError, UsageError
 
@@ -136,64 +136,131 @@ class ChatTemplate:
             raise ChatTemplateError(f"{self.origin} failed: {type(exc).__name__}: {_one_line(exc)}") from None
 
     def segments(self, messages: Sequence[dict], add_generation_prompt: bool = True,
-                 tools: Sequence[dict] | None = None) -> list[Segment]:
-        """The rendered prompt split into markup and content. `tools`: the function tools (OpenAI's shape), given to
-        the template as transformers does; the template prints them (and assistant `tool_calls`) as markup.
+                 tools: Sequence[dict] | None = None, *,
+                 plain: Callable[[str], bool] | None = None) -> list[Segment]:
+        """The rendered prompt split into markup and plain text. `tools`: the function tools (OpenAI's shape), given
+        to the template as transformers does.
 
-        The template is rendered twice: with the real messages (the text the model expects) and with each content
-        replaced by a unique placeholder (which shows where the markup is). The real text is then matched piece by
-        piece: markup, then the message's content as the template printed it (as-is, or stripped as `| trim` does),
-        then markup... Content can never be taken for markup: every piece is checked in order against the real
-        text. If the template transformed content in a way not recognised here, the placeholders are filled with
-        the content as-is (the prompt then differs from the template only in that transformation).
+        Plain text is every message's content, and every other string of the request (in `tools`, tool calls and
+        their arguments, names, ids; dict keys included) for which `plain(s)` is true: the model's test "holds the
+        text of a control token" (Model.has_control_text). Such strings reach the template from whoever wrote the
+        tool definition or the tool result, so they must never become special tokens. The default test, for
+        callers without a model, takes any string holding `<`, `>`, `[`, `]` or `|`. Other strings stay as they
+        are, so templates that compare them (`tool.type == "function"`) still work.
+
+        The template is rendered twice: with the real values (the text the model expects) and with each plain
+        string replaced by a unique placeholder (which shows where the markup is). The real text is then matched
+        piece by piece: markup, then the string as the template printed it (as-is, stripped as `| trim` does, JSON-
+        escaped as `| tojson` does, or as Python's repr as `| string` does), then markup... A string can never be
+        taken for markup: every piece is checked in order against the real text. If the template transformed a
+        string in a way not recognised here, the placeholders are filled with the string as-is (JSON-escaped
+        between quotes); the prompt then differs from the template only in that transformation.
         """
         real = self.render(messages, add_generation_prompt, tools)
+        test = plain or _may_hold_markup
         nonce = secrets.token_hex(8)
-        while any(nonce in str(m.get("content", "")) for m in messages):  # pragma: no cover - 2^-64
+        while nonce in repr((messages, tools)):  # pragma: no cover - 2^-64
             nonce = secrets.token_hex(8)
-        masked = [dict(m, content=f"\ue000{nonce}{i}\ue001") if isinstance(m.get("content"), str) and m["content"]
-                  else dict(m) for i, m in enumerate(messages)]  # "" stays "": `{% if message.content %}` holds
+        values: list[str] = []
+
+        def mark(s: str) -> str:
+            values.append(s)
+            return f"\ue000{nonce}{len(values) - 1}\ue001"
+
+        def walk(x):
+            if isinstance(x, str):
+                return mark(x) if x and test(x) else x
+            if isinstance(x, dict):
+                return {(mark(k) if isinstance(k, str) and k and test(k) else k): walk(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [walk(v) for v in x]
+            return x
+
+        masked = []
+        for m in messages:
+            mm = {k: (v if k in ("role", "content") else walk(v)) for k, v in m.items()}
+            c = m.get("content")
+            if isinstance(c, str) and c:  # "" stays "": `{% if message.content %}` holds
+                mm["content"] = mark(c)
+            masked.append(mm)
+        masked_tools = walk(list(tools)) if tools else tools
         try:
-            skeleton = self.render(masked, add_generation_prompt, tools)
-        except ChatTemplateError as exc:  # it accepts the real contents but not placeholders: it parses them
+            skeleton = self.render(masked, add_generation_prompt, masked_tools)
+        except ChatTemplateError as exc:  # it accepts the real values but not placeholders: it parses them
             raise ChatTemplateError(f"{self.origin} cannot be split into markup and message text ({exc})") from None
-        parts = re.split(f"\ue000{nonce}(\\d+)\ue001", skeleton)
+        parts = re.split(f"(?:\ue000|\\\\ue000){nonce}(\\d+)(?:\ue001|\\\\ue001)", skeleton)
         markup, order = parts[0::2], [int(x) for x in parts[1::2]]
-        aligned = _align(real, markup, [messages[i]["content"] for i in order])
+        aligned = _align(real, markup, [values[i] for i in order])
         if aligned is not None:
             return aligned
         out = [Segment(markup[0], False)]
-        for i, m in zip(order, markup[1:]):
-            out += [Segment(messages[i]["content"], True), Segment(m, False)]
-        return out
+        for j, (i, m) in enumerate(zip(order, markup[1:])):
+            quoted = markup[j].endswith('"') and m.startswith('"')
+            out += [Segment(_json_inner(values[i]) if quoted else values[i], True), Segment(m, False)]
+        return [s for s in out if s.text]
+
+
+def _may_hold_markup(s: str) -> bool:
+    """Whether a string could hold a control token's text, for callers that cannot ask the model: control tokens
+    are written in angle or square brackets (`<|im_end|>`, `</s>`, `[INST]`, `<start_of_turn>`)."""
+    return any(c in s for c in "<>[]|")
+
+
+def _json_inner(s: str, ascii_only: bool = False) -> str:
+    return json.dumps(s, ensure_ascii=ascii_only)[1:-1]
 
 
 def _variants(content: str) -> list[str]:
-    """How templates commonly print a message's content: as-is, `| trim`, `.strip()`, `.lstrip()`, `.rstrip()`,
-    and after a reasoning block (`content.split('</think>')[-1].lstrip('\\n')`)."""
+    """How templates commonly print a string: as-is, `| trim`, `.strip()`, `.lstrip()`, `.rstrip()`, after a
+    reasoning block (`content.split('</think>')[-1].lstrip('\\n')`), inside `| tojson` (with or without
+    ensure_ascii) and inside `| string` of a list or dict (Python's repr)."""
     out = [content, content.strip(), content.lstrip(), content.rstrip()]
     if "</think>" in content:
         after = content.split("</think>")[-1]
         out += [after, after.lstrip("\n"), after.strip()]
+    out += [_json_inner(content), _json_inner(content, ascii_only=True), repr(content)[1:-1],
+            _json_inner(content.strip())]
     seen: set[str] = set()
     return [v for v in out if not (v in seen or seen.add(v))]
 
 
 def _align(real: str, markup: list[str], contents: list[str]) -> list[Segment] | None:
+    """`real` as markup[0], contents[0] (one of its variants), markup[1], ... exactly, or None. Where two variants
+    both fit (a string with spaces at its ends), the later pieces decide: a depth-first search that tries each
+    (piece, position) once."""
     if not real.startswith(markup[0]):
         return None
-    out = [Segment(markup[0], False)]
-    pos = len(markup[0])
-    for j, content in enumerate(contents):
-        nxt = markup[j + 1]
-        last = j == len(contents) - 1
-        for v in _variants(content):
-            if real.startswith(v + nxt, pos) and (not last or pos + len(v) + len(nxt) == len(real)):
+    failed: set[tuple[int, int]] = set()
+    # iterative (a long conversation holds more strings than Python's recursion limit): one frame per string,
+    # each frame (j, position, variants left to try)
+    stack: list[tuple[int, int, list[str]]] = [(0, len(markup[0]), _variants(contents[0]) if contents else [])]
+    chosen: list[str] = []
+    while stack:
+        j, pos, left = stack[-1]
+        if j == len(contents):
+            if pos == len(real):
                 break
-        else:
-            return None
-        out += [Segment(v, True), Segment(nxt, False)]
-        pos += len(v) + len(nxt)
-    if pos != len(real):
+            stack.pop()
+            if chosen:
+                chosen.pop()
+            continue
+        nxt = markup[j + 1]
+        while left and not (real.startswith(left[0] + nxt, pos) and (j + 1, pos + len(left[0]) + len(nxt))
+                            not in failed):
+            left.pop(0)
+        if not left:
+            failed.add((j, pos))
+            stack.pop()
+            if chosen:
+                chosen.pop()
+            continue
+        v = left.pop(0)
+        chosen.append(v)
+        npos = pos + len(v) + len(nxt)
+        stack.append((j + 1, npos, _variants(contents[j + 1]) if j + 1 < len(contents) else []))
+    else:
         return None
+    out = [Segment(markup[0], False)]
+    for v, nxt in zip(chosen, markup[1:]):
+        out += [Segment(v, True), Segment(nxt, False)]
     return [s for s in out if s.text]

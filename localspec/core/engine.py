@@ -215,13 +215,15 @@ class Engine:
             self.draft.close()
 
     # --------------------------------------------------------------- prompts
-    def chat_prompt(self, messages: Sequence[dict]) -> list[int]:
-        """Messages rendered with the chat template, ready for generate(). Message content is plain text:
-        control tokens written in it ('<|im_end|>') are not parsed, only the template's own markup is."""
+    def chat_prompt(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """Messages (and function `tools`) rendered with the chat template, ready for generate(). Text from the
+        request is plain text: control tokens written in a message, a tool's definition, a tool call's arguments
+        or a name ('<|im_end|>') are not parsed, only the template's own markup is."""
         from localspec.core.chat_template import plain_segments
 
         tmpl = self.chat_template()
-        segments = tmpl.segments(messages) if tmpl is not None else plain_segments(messages)
+        segments = (tmpl.segments(messages, tools=tools, plain=self.target.has_control_text) if tmpl is not None
+                    else plain_segments(messages, tools=tools))
         return self.target.tokenize_segments([(s.text, s.content) for s in segments])
 
     def chat_template(self):

@@ -321,6 +321,11 @@ class Model:
                 out += self.tokenize(item, add_special=False, parse_special=False)
         return out
 
+    def has_control_text(self, text: str) -> bool:
+        """Whether `text` holds the text of a control token (as llama.cpp would parse it in markup): a string
+        that must stay plain text when a chat template prints it (ChatTemplate.segments)."""
+        return any(not isinstance(p, str) for p in self._split_control(text))
+
     def _split_control(self, text: str) -> list:
         """`text` split into str runs and (token, attr) for every control/unknown token llama.cpp would match."""
         specials: dict[str, tuple[int, int]] = {}

@@ -45,14 +45,8 @@ def model_id(session) -> str:
 
 
 def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
-    """The prompt of a chat request: the engine's own chat prompt, or with `tools` given to the template."""
-    if tools is None:
-        return eng.chat_prompt(msgs)
-    from localspec.core.chat_template import plain_segments
-
-    tmpl = eng.chat_template()
-    segments = tmpl.segments(msgs, tools=tools) if tmpl is not None else plain_segments(msgs, tools=tools)
-    return eng.target.tokenize_segments([(s.text, s.content) for s in segments])
+    """The prompt of a chat request: the engine's chat prompt, with `tools` given to the template."""
+    return eng.chat_prompt(msgs, tools)
 
 
 def template_text(eng) -> str | None:
