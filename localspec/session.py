@@ -26,7 +26,7 @@ from localspec.llama.threads import check_threads
 from localspec.models import download, registry
 from localspec.models import hubname as hfname
 from localspec.models.spec import FileSpec
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 from localspec.settings import Setting
 from localspec.store import history
 from localspec.store.cachefile import cache_dir

@@ -74,7 +74,7 @@ def coerce(key: str, value: Any, source: str) -> Any:
 
 def _check(key: str, value: str, source: str) -> None:
     """A per-setting check, as `run` applies it, so a stored value cannot fail every later run."""
-    from localspec.rpc import protocol
+    from localspec import rpcwire as protocol
 
     try:
         _CHECKS[key](protocol)(value)

@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "localspec"
 
 # rank of each part of the package; a module may import modules of its own rank or lower, never higher
 LAYERS = [
-    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpc.protocol")),  # leaves: no localspec imports
+    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire")),  # leaves: no localspec imports
     (1, ("localspec.llama",)),
     (2, ("localspec.core", "localspec.drafters", "localspec.models", "localspec.store", "localspec.bench",
          "localspec.rpc")),

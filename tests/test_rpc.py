@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 from localspec.errors import UsageError
 
 SECURITY = "the RPC protocol has no authentication and no encryption"

@@ -146,7 +146,7 @@ class Engine:
         none. drop_incompatible_draft: keep going without a draft that fails the
         pair check (the reason is in .dropped_draft) instead of raising. rpc: llama.cpp RPC workers
         ("HOST:PORT[,...]") that take the target's layers, in tensor_split proportions; the draft stays local."""
-        from localspec.rpc import protocol as rpc_mod
+        from localspec import rpcwire as rpc_mod
         from localspec.llama.model import Model
         from localspec.llama.sysinfo import resolve_gpu_layers
         from localspec.llama.threads import check_threads

@@ -8,7 +8,7 @@ import re
 import sys
 from typing import Callable, Sequence
 
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 
 # Hooks run when llama.cpp aborts the process (GGML_ABORT: a worker died mid-decode, a failed assertion). The
 # process dies right after them: they must be quick and must not raise (exceptions are ignored).

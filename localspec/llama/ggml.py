@@ -12,7 +12,7 @@ from typing import Sequence
 
 from localspec.errors import ModelLoadError
 from localspec.llama import aborts, lib
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
 DEV_CPU, DEV_GPU = 0, 1

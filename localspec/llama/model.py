@@ -32,7 +32,7 @@ from localspec.llama import aborts, ggml, lib
 from localspec.llama.lib import ll as _ll
 from localspec.llama.threads import check_threads, default_threads
 from localspec.llama.vocab import VocabInfo
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 from localspec.seq import common_prefix
 
 _C_SPACE = " \t\n\v\f\r"  # isspace() in the C locale, as llama.cpp strips around tokens

@@ -15,7 +15,7 @@ import threading
 import time
 from pathlib import Path
 
-from localspec.rpc import protocol as rpc
+from localspec import rpcwire as rpc
 from localspec.errors import UsageError
 
 READY_TIMEOUT_S = 60.0
