@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator
 from filelock import FileLock, Timeout
 
 from localspec import settings as config
-from localspec.core import defaults as D
+from localspec import defaults as D
 from localspec.errors import SettingError, UsageError
 from localspec.llama import aborts  # hooks only: no llama_cpp import
 from localspec.llama.threads import check_threads

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from localspec.core import defaults as D
+from localspec import defaults as D
 from localspec.errors import UsageError
 from localspec.store.tomlfile import config_dir, config_file, load_toml, update_file  # noqa: F401 - re-exported for front ends
 

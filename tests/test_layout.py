@@ -12,7 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "localspec"
 
 # rank of each part of the package; a module may import modules of its own rank or lower, never higher
 LAYERS = [
-    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire")),  # leaves: no localspec imports
+    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire", "localspec.defaults")),  # leaves: no localspec imports
     (1, ("localspec.llama",)),
     (2, ("localspec.core", "localspec.drafters", "localspec.models", "localspec.store", "localspec.bench",
          "localspec.rpc")),
@@ -191,3 +191,16 @@ def test_checking_settings_does_not_load_llama_cpp():
             "assert 'llama_cpp' not in sys.modules, 'llama_cpp was imported'")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_settings_load_no_model_code():
+    """`localspec config` and every front end's flag parsing read the settings: they import neither numpy nor a
+    drafter nor the engine."""
+    import subprocess
+    import sys
+
+    code = ("import sys, localspec.settings, localspec.defaults; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'numpy' or "
+            "m.startswith(('localspec.drafters', 'localspec.core', 'localspec.llama'))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

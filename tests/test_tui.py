@@ -661,7 +661,7 @@ def test_settings_are_resolved_once_per_change_not_on_every_look(tmp_path, monke
 def test_the_palette_completes_a_commands_choices(tmp_path):
     from textual.command import CommandPalette
 
-    from localspec.core.defaults import METHODS
+    from localspec.defaults import METHODS
 
     app = create_app(settings(tmp_path / "missing.gguf"))
 

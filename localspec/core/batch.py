@@ -51,7 +51,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localspec.core import defaults as D
+from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.engine import Engine, Finished, GenConfig, Piece, _env_allows_inexact, _fit_ctx
 from localspec.core.policy import AdaptivePolicy, FixedPolicy

@@ -17,8 +17,8 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from localspec.core import defaults as D
-from localspec.core.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
+from localspec import defaults as D
+from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.core.sampling import SamplingParams, bias_vector, probs, sample, token_logprobs
 from localspec.core.stats import Stats

@@ -3,6 +3,7 @@ is one module beside these and one line here; the methods users may name follow 
 
 from __future__ import annotations
 
+from localspec import defaults
 from localspec.drafters.dflash import DFlashDrafter
 from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.eagle3 import Eagle3Drafter
@@ -18,4 +19,6 @@ KINDS: dict[str, type] = {
 }
 # draft heads: drafters built from the target's own context (HEADS[kind] has .load(target, path, ...))
 HEADS: dict[str, type] = {"eagle3": Eagle3Drafter, "mtp": MtpDrafter, "dflash": DFlashDrafter}
-METHODS = ("auto", *KINDS, "none")  # auto: the controller picks among the drafters; none: plain decoding
+METHODS = defaults.METHODS
+# the settings know the kinds by name without importing a drafter (localspec/defaults.py): the two lists must agree
+assert tuple(KINDS) == defaults.DRAFTER_KINDS and tuple(HEADS) == defaults.HEAD_KINDS

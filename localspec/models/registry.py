@@ -10,7 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 from localspec.store import tomlfile as config
-from localspec.core import defaults as D
+from localspec import defaults as D
 from localspec.errors import UsageError
 from localspec.models.spec import FileSpec
 

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from localspec.core.defaults import KV_LAYOUTS
+from localspec.defaults import KV_LAYOUTS
 from localspec.errors import UsageError
 
 DEFAULT_HOST = "127.0.0.1"

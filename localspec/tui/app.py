@@ -14,7 +14,7 @@ from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.widgets import Footer, LoadingIndicator
 
-from localspec.core import defaults as D
+from localspec import defaults as D
 from localspec.errors import LocalspecError, UsageError
 from localspec.tui import commands
 from localspec.tui.commands import SlashCommands, error_text

@@ -11,7 +11,7 @@ from typing import Callable
 
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from localspec.core.defaults import EXACTNESS, METHODS
+from localspec.defaults import EXACTNESS, METHODS
 from localspec.errors import LocalspecError, SettingError, UsageError
 from localspec.store.cachefile import atomic_write
 from localspec.tui.widgets.transcript import Transcript

@@ -1,9 +1,14 @@
 """Built-in values of the generation settings and their bounds, in one place: the settings schema (settings.py),
-the engine's GenConfig, the model pairs and the front ends all read them from here."""
+the engine's GenConfig, the model pairs and the front ends all read them from here. A leaf: reading a setting's
+bounds loads no model code (`localspec config` imports neither numpy nor a drafter)."""
 
 from __future__ import annotations
 
-from localspec.drafters.registry import METHODS  # noqa: F401 - the method names, with the drafter kinds
+# the drafter kinds, by the method name that selects each (drafters/registry.py maps each to its class and checks
+# that both lists agree); auto: the controller picks among them; none: plain decoding
+DRAFTER_KINDS = ("draft", "lookup", "eagle3", "mtp", "dflash")
+HEAD_KINDS = ("eagle3", "mtp", "dflash")  # drafters built on the target's own context
+METHODS = ("auto", *DRAFTER_KINDS, "none")
 
 EXACTNESS = ("auto", "bit", "lossless")
 KV_LAYOUTS = ("auto", "split", "unified")  # serve --kv-layout: where batched slots keep their KV (core/batch.py)
