@@ -1,9 +1,11 @@
-"""logprobs / top_logprobs and logit_bias (issue #23 item 5): each emitted token's logprob comes from the target
-row that emitted it (after bias and grammar), so at temperature 0 they are the same with every method as with
-plain decoding; a banned token never appears, and speculation under a bias gives plain decoding's output."""
+"""logprobs / top_logprobs and logit_bias: each emitted token's logprob comes from the target row that emitted it
+(after bias and grammar), so at temperature 0 they are the same with every method as with plain decoding; a banned
+token never appears, and speculation under a bias gives plain decoding's output. A bias that leaves no token to emit
+is the request's error (a 400 naming logit_bias), never a banned token, a NaN logprob or a 500."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -11,6 +13,8 @@ import pytest
 
 from conftest import PROMPTS
 from localspec.core.engine import Engine, GenConfig, Piece
+from localspec.core.sampling import SamplingParams
+from localspec.errors import SettingError
 
 N = 24
 
@@ -89,7 +93,7 @@ def test_a_banned_token_never_appears_and_speculation_keeps_plain_output(engine)
 
 
 def test_logit_bias_reaches_the_draft_models_rows_too(engine):
-    """Issue 23: logit_bias applies to "the target's logits in every verify row and the drafter's". With the target
+    """logit_bias applies to the target's logits in every verify row and to the drafter's. With the target
     as its own draft, a biased target and an unbiased draft disagree wherever the bias changes the choice, so drafts
     were rejected there; with the bias on the draft's rows too, the draft is the biased target and every draft is
     accepted (and the output stays that of plain decoding under the bias)."""
@@ -103,6 +107,60 @@ def test_logit_bias_reaches_the_draft_models_rows_too(engine):
     assert fin.tokens == [p.token for p in pieces(engine, prompt, method="none", logit_bias=bias)]
     assert fin.tokens != plain  # the bias changes the answer
     assert fin.stats.drafted > 0 and fin.stats.accepted == fin.stats.drafted
+
+
+class Narrowing:
+    """A grammar that allows any token for its first `free` tokens, then only the tokens in `then`."""
+
+    def __init__(self, n_vocab: int, free: int, then) -> None:
+        self.n_vocab, self.free, self.n = n_vocab, free, 0
+        self.then = np.zeros(n_vocab, dtype=bool)
+        self.then[list(then)] = True
+
+    def allowed(self):
+        return np.ones(self.n_vocab, dtype=bool) if self.n < self.free else self.then.copy()
+
+    def consume(self, tokens) -> bool:
+        self.n += len(tokens)
+        return True
+
+    def rollback(self, n: int) -> bool:
+        self.n -= n
+        return True
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_a_bias_that_bans_every_token_is_an_error_naming_logit_bias(engine, temperature, method):
+    ban = {t: -100.0 for t in range(engine.target.n_vocab)}
+    cfg = GenConfig(max_tokens=N, method=method, k=4, logit_bias=ban, logprobs=2,
+                    sampling=SamplingParams(temperature=temperature, seed=1))
+    with pytest.raises(SettingError) as err:
+        list(engine.generate(engine.raw_prompt(PROMPTS[0]), cfg))
+    assert err.value.settings == ("logit_bias",) and "every token" in str(err.value)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("method", ["none", "draft"])
+def test_bias_and_grammar_leaving_no_token_end_in_an_error_not_a_banned_token(engine, temperature, method):
+    """The grammar allows anything for 3 tokens, then only tokens the bias bans: the 3 tokens come out (none of
+    them banned, every logprob finite), then the generation fails naming logit_bias."""
+    target = engine.target
+    then = [t for t in range(5, target.n_vocab, 7)]
+    ban = {t: -100.0 for t in then + [2]}  # (the end-of-text token too: the answer cannot end early)
+    cfg = GenConfig(max_tokens=N, method=method, k=4, logit_bias=ban, logprobs=3,
+                    constraint=Narrowing(target.n_vocab, 3, then), p_min=0.0,
+                    sampling=SamplingParams(temperature=temperature, seed=5))
+    target.clear()
+    got = []
+    with pytest.raises(SettingError) as err:
+        for ev in engine.generate(engine.raw_prompt(PROMPTS[0]), cfg):
+            got.append(ev)
+    assert err.value.settings == ("logit_bias",)
+    toks = [p for p in got if isinstance(p, Piece) and p.token >= 0]
+    assert len(toks) == 3 and not any(p.token in ban for p in toks)
+    for p in toks:
+        assert math.isfinite(p.logprob) and all(math.isfinite(x) for _, x in p.top)
 
 
 # ----------------------------------------------------------------- through the server (chat and legacy)
@@ -187,3 +245,57 @@ def test_logit_bias_bans_a_token_and_speculation_keeps_plain_output(open_api):
     assert all(bytes(x.bytes) != bytes(tok.bytes) for x in outs["none"].logprobs.content)
     assert outs["none"].message.content != chat(c, "none").choices[0].message.content
     assert outs["none"].message.content == outs["lookup"].message.content == outs["draft"].message.content
+
+
+def _strict(text: str):
+    """JSON as a strict parser reads it: NaN and Infinity are not JSON."""
+    def bad(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(text, parse_constant=bad)
+
+
+def _sse(body: str) -> list:
+    return [_strict(line[len("data: "):]) for line in body.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+@pytest.mark.parametrize("temperature", [0, 1])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bias_banning_every_token_is_a_400_naming_logit_bias(open_api, temperature, stream):
+    n_vocab = open_api.session.engine.target.n_vocab
+    ban = {str(t): -100 for t in range(n_vocab)}
+    status, _, body = post(open_api, "/v1/chat/completions", {
+        "messages": MSG, "max_tokens": 8, "temperature": temperature, "logit_bias": ban, "logprobs": True,
+        "top_logprobs": 2, "stream": stream})
+    assert status == 400, body
+    assert body["error"]["param"] == "logit_bias" and "logit_bias" in body["error"]["message"], body
+
+
+@pytest.mark.parametrize("temperature", [0, 0.7])
+@pytest.mark.parametrize("stream", [False, True])
+def test_json_object_with_every_brace_token_banned_is_a_400_naming_logit_bias(open_api, temperature, stream):
+    target = open_api.session.engine.target
+    ban = {str(t): -100 for t in range(target.n_vocab) if target.piece(t).lstrip().startswith(b"{")}
+    assert ban
+    status, _, body = post(open_api, "/v1/chat/completions", {
+        "messages": MSG, "max_tokens": 8, "temperature": temperature, "logit_bias": ban, "seed": 3,
+        "response_format": {"type": "json_object"}, "logprobs": True, "stream": stream})
+    if status == 200:  # streamed past a first token the grammar allows (white space): the error ends the stream
+        events = _sse(body)
+        assert events[-1]["error"]["param"] == "logit_bias", events[-1]
+    else:
+        assert status == 400 and body["error"]["param"] == "logit_bias", body
+
+
+def test_streamed_logprobs_under_a_bias_are_json(open_api):
+    """Every event of a streamed answer under a ban is strict JSON, with finite logprobs."""
+    target = open_api.session.engine.target
+    ban = {str(t): -100 for t in range(0, target.n_vocab, 2)}
+    for temperature in (0, 1):
+        status, _, body = post(open_api, "/v1/chat/completions", {
+            "messages": MSG, "max_tokens": 8, "temperature": temperature, "logit_bias": ban, "seed": 2,
+            "logprobs": True, "top_logprobs": 3, "stream": True})
+        assert status == 200
+        entries = [e for ev in _sse(body) for c in ev["choices"] if c.get("logprobs")
+                   for e in c["logprobs"]["content"]]
+        assert entries and all(math.isfinite(e["logprob"]) for e in entries)

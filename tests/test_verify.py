@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from localspec.core.sampling import SamplingParams, probs, sample
-from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.core.sampling import SamplingParams, probs, sample, token_logprobs
+from localspec.core.verify import NO_TOKEN, greedy_verify, one_hot, speculative_sampling
 
 
 def test_greedy_accepts_prefix_then_target_token():
@@ -12,6 +12,23 @@ def test_greedy_accepts_prefix_then_target_token():
     assert greedy_verify([5, 6, 7], [5, 6, 7, 1]) == (3, 1)  # all accepted: bonus token
     assert greedy_verify([5], [4, 0]) == (0, 4)
     assert greedy_verify([], [3]) == (0, 3)
+
+
+def test_a_row_with_no_token_left_ends_the_step():
+    """logit_bias and a grammar can exclude every token of a row: its draft is rejected and nothing is drawn there."""
+    assert greedy_verify([5, 6], [5, NO_TOKEN, 2]) == (1, NO_TOKEN)
+    assert greedy_verify([5], [5, NO_TOKEN]) == (1, NO_TOKEN)
+    dead = np.full(6, -np.inf)
+    for sp in (SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9, top_k=2)):
+        assert not probs(dead, sp).any()  # zeros, not NaN
+    p = np.stack([P[0], probs(dead, SamplingParams(temperature=1.0)), P[1]])
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        assert speculative_sampling([0, 1], one_hot([0, 1], 6), p, rng)[1] in (NO_TOKEN, 1, 2, 3)
+    assert speculative_sampling([4, 1], one_hot([4, 1], 6), p[[1, 0, 2]], rng) == (0, NO_TOKEN)
+    assert speculative_sampling([0], one_hot([0], 6), np.stack([np.eye(6)[0], p[1]]), rng) == (1, NO_TOKEN)
+    lp, top = token_logprobs(dead, 3, 5)  # finite numbers only: JSON has no NaN
+    assert lp == -9999.0 and top == []
 
 
 def test_greedy_rejects_wrong_row_count():

@@ -23,7 +23,7 @@ from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.core.sampling import SamplingParams, bias_vector, probs, sample, token_logprobs
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
-from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.core.verify import NO_TOKEN, greedy_verify, one_hot, speculative_sampling
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
 from localspec.errors import ContextOverflowError, IncompatibleDraftError, SettingError, UsageError
 from localspec.models.pair import check_pair
@@ -411,6 +411,9 @@ class Engine:
         cfg = cfg or GenConfig()
         target = self.target
         sp = cfg.sampling
+        bias = bias_vector(cfg.logit_bias, target.n_vocab)
+        if bias is not None and np.isneginf(bias).all():  # nothing left to say: the request's error, before any work
+            raise SettingError("{logit_bias} bans every token of the model's vocabulary", "logit_bias")
         rng = np.random.default_rng(sp.seed)
         text = self._assembler = TextAssembler(cfg.stop)
         from localspec.core.exactness import ProbeCancelled
@@ -465,7 +468,6 @@ class Engine:
             return ev, stopped
 
         con = cfg.constraint
-        bias = bias_vector(cfg.logit_bias, target.n_vocab)
         banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
         sp_draft = sp if bias is None else dataclasses.replace(sp, bias=bias)  # the drafters' rows get the bias too
 
@@ -477,9 +479,14 @@ class Engine:
         if con is not None:
             logits = constrain(logits, con.allowed())
         # first token from the prompt's last row
-        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), rng)
+        if (bias is not None or con is not None) and np.max(logits) == -np.inf:
+            first = NO_TOKEN
+        else:
+            first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), rng)
         stats.ttft_s = time.perf_counter() - t0
-        if target.is_eog(first):
+        if first == NO_TOKEN:
+            finish = _no_token_left(cfg, 0)
+        elif target.is_eog(first):
             finish = "stop"
         else:
             if con is not None:
@@ -521,7 +528,10 @@ class Engine:
                 if masks is not None:
                     rows = np.stack([constrain(r, m) for r, m in zip(rows, masks)])
                 if sp.greedy:
-                    n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
+                    top = rows.argmax(axis=1)
+                    if bias is not None or con is not None:  # rows that leave no token
+                        top[rows.max(axis=1) == -np.inf] = NO_TOKEN
+                    n_acc, nxt = greedy_verify(proposal.tokens, top)
                 else:
                     p = np.stack([probs(r, sp) for r in rows])
                     q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)
@@ -549,11 +559,14 @@ class Engine:
                     stats.exactness_reason = f"{switched} (from token {stats.completion_tokens + 1})"
                 new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
                 for i, (tok, drafted) in enumerate(new):
-                    if target.is_eog(tok):
+                    if tok != NO_TOKEN and target.is_eog(tok):
                         finish = "stop"
                         break
                     if stats.completion_tokens >= cfg.max_tokens:
                         finish = "length"
+                        break
+                    if tok == NO_TOKEN:
+                        finish = _no_token_left(cfg, stats.completion_tokens)
                         break
                     if con is not None:
                         con.consume([tok])
@@ -608,6 +621,15 @@ def _grammar_masks(con, proposal: Proposal) -> tuple[Proposal, list]:
     if n:
         con.rollback(n)
     return proposal, masks
+
+
+def _no_token_left(cfg: GenConfig, emitted: int) -> str:
+    """How an answer ends where logit_bias and the grammar leave no token to emit: the request's error when its bias
+    banned what the grammar allows (a banned token is never emitted); "stop" where the grammar alone allows none."""
+    if cfg.logit_bias:
+        raise SettingError(f"{{logit_bias}} bans every token the structured output allows at token {emitted + 1} of "
+                           "the answer", "logit_bias")
+    return "stop"
 
 
 def _can_rollback(model) -> bool:

@@ -44,9 +44,12 @@ class SamplingParams:
 
 
 def probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
-    """Distribution over the vocabulary (float64, sums to 1) for one row of logits."""
+    """Distribution over the vocabulary (float64, sums to 1) for one row of logits. A row that excludes every token
+    (-inf everywhere: logit_bias and a grammar leave none) gives all zeros, never NaN: no token can be drawn."""
     x = np.asarray(logits, dtype=np.float64)
     n = x.shape[-1]
+    if not n or np.max(x) == -np.inf:
+        return np.zeros(n)
     if sp.greedy:
         p = np.zeros(n)
         p[int(np.argmax(x))] = 1.0
@@ -105,12 +108,19 @@ def bias_vector(logit_bias: dict[int, float] | None, n_vocab: int) -> np.ndarray
     return v
 
 
+# the lowest logprob reported (OpenAI's own floor): JSON has no -Infinity or NaN, so a logprob that is not a finite
+# number (a token the row excludes) is written as this
+LOGPROB_FLOOR = -9999.0
+
+
 def token_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
     """(logprob of `token`, the n most likely (token, logprob), best first, ties by id) under log-softmax of the
     raw row (temperature 1, as OpenAI reports them; the row is already biased and grammar-masked). Tokens the
-    row excludes (-inf) are never among the top ones."""
+    row excludes (-inf) are never among the top ones; every number is finite (LOGPROB_FLOOR at the least)."""
     x = np.asarray(row, dtype=np.float64)
     m = float(np.max(x))
+    if not math.isfinite(m):  # the row excludes every token
+        return LOGPROB_FLOOR, []
     lse = m + float(np.log(np.sum(np.exp(x - m))))
     top: list[tuple[int, float]] = []
     if n > 0:
@@ -118,4 +128,5 @@ def token_logprobs(row: np.ndarray, token: int, n: int) -> tuple[float, list[tup
         idx = np.argpartition(-x, n - 1)[:n]
         idx = idx[np.lexsort((idx, -x[idx]))]
         top = [(int(i), float(x[i] - lse)) for i in idx if np.isfinite(x[i])]
-    return float(x[int(token)] - lse), top
+    lp = float(x[int(token)] - lse)
+    return (lp if math.isfinite(lp) else LOGPROB_FLOOR), top

@@ -7,7 +7,9 @@ Speculative Decoding"). Pure functions on numpy arrays; names follow the paper:
          position of draft token i; p[gamma] is the bonus position after all drafts
 
 Both return (n_accepted, next_token): the first n_accepted drafts are kept, then next_token is
-the target's own token (the correction after a rejection, or the bonus after full acceptance).
+the target's own token (the correction after a rejection, or the bonus after full acceptance), or
+NO_TOKEN where that row leaves no token to emit (logit_bias and a grammar exclude every one): a
+draft is never accepted at such a row, and the answer cannot go on past it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ import numpy as np
 
 from localspec.core.sampling import sample
 
+NO_TOKEN = -1  # a verify row that leaves no token: its argmax entry, or its all-zero row of p
+
 
 def greedy_verify(draft_tokens: Sequence[int], target_argmax: Sequence[int]) -> tuple[int, int]:
     """Accept while the draft token is the target's argmax; then one token of the target's.
 
-    target_argmax has gamma + 1 entries (one per verified row)."""
+    target_argmax has gamma + 1 entries (one per verified row; NO_TOKEN for a row that leaves none)."""
     gamma = len(draft_tokens)
     if len(target_argmax) != gamma + 1:
         raise ValueError("target_argmax needs gamma + 1 entries")
@@ -41,11 +45,14 @@ def speculative_sampling(
     """Accept draft x_i with probability min(1, p_i(x)/q_i(x)); on the first rejection sample from
     norm(max(0, p_i - q_i)); if all gamma are accepted, sample a bonus token from p_gamma.
 
-    The emitted tokens are distributed exactly as sampling from p one token at a time."""
+    The emitted tokens are distributed exactly as sampling from p one token at a time. An all-zero row of p
+    (no token left) rejects its draft, and next_token is then NO_TOKEN."""
     gamma = len(draft_tokens)
     if p.shape[0] != gamma + 1 or (gamma and q.shape[0] < gamma):
         raise ValueError("need q with gamma rows and p with gamma + 1 rows")
     for i in range(gamma):
+        if not p[i].any():
+            return i, NO_TOKEN
         x = int(draft_tokens[i])
         px = float(p[i, x])
         qx = float(q[i, x])
@@ -58,7 +65,7 @@ def speculative_sampling(
         if residual.sum() <= 0.0:  # only through rounding when p == q; p itself is then exact
             residual = p[i]
         return i, sample(residual, rng)
-    return gamma, sample(p[gamma], rng)
+    return gamma, (sample(p[gamma], rng) if p[gamma].any() else NO_TOKEN)
 
 
 def one_hot(tokens: Sequence[int], n_vocab: int) -> np.ndarray:

@@ -19,6 +19,7 @@ REQUEST_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "seed": "seed",
+    "logit_bias": "logit_bias",
 }
 # settings no request sets, in words a client can act on
 OTHER_WORDS = {"draft": "none is loaded on this server", "ctx_size": "a server context size of"}
