@@ -50,13 +50,35 @@ def pair_for(model: str | None):
     return obj if kind == "pair" else None
 
 
-def tuned_key(model: str, pair) -> str:
+# methods that use a draft the user named (-d); a stored tune result choosing another never applies beside one
+DRAFT_METHODS = frozenset({"auto", "draft", "eagle3", "dflash"})
 
+
+def tuned_key(model: str, pair) -> str | None:
+    """What stored tune results are keyed by: a pair by its name, a hub model by its canonical name, a local file
+    by its resolved path, size and modification time (as the exactness probes key a file), so another model of the
+    same file name, or this file rewritten, never picks up its result. None: a file that is not there."""
     if pair is not None:
         return pair.name
     if hfname.is_hub_name(model) and not Path(model).expanduser().is_file():
         return str(hfname.parse(model))
-    return Path(model).name
+    p = Path(model).expanduser()
+    try:
+        st = p.stat()
+        return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        return None
+
+
+def tuned_draft(draft: str | None) -> str | None:
+    """The draft a tune result was measured with, as stored beside it (None: no draft named; the pair's own)."""
+    if not draft:
+        return None
+    try:
+        key = tuned_key(draft, pair_for(draft))
+    except UsageError:
+        key = None
+    return key or f"unresolved {draft}"  # a draft that cannot be identified matches no stored result
 
 
 def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
@@ -80,7 +102,12 @@ def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, A
         for key, value in (("draft_tokens", pair.k), ("ctx_size", pair.ctx)):
             if out[key].source == "default":
                 out[key] = Setting(value, f"pair {pair.name}")
-    tuned = tuned_results().get(tuned_key(model, pair), {})
+    tuned = tuned_results().get(tuned_key(model, pair)) or {}
+    draft = out["draft"].value
+    if tuned.get("draft") != tuned_draft(draft):
+        tuned = {}  # measured with another draft, or none: it says nothing about this one
+    elif draft and tuned.get("method", "auto") not in DRAFT_METHODS:
+        tuned = {}  # a draft the user named is never dropped for a stored prompt lookup or plain decoding
     for tkey, key in TUNED_KEYS.items():
         if tkey in tuned and (out[key].source == "default" or out[key].source.startswith("pair ")):
             try:

@@ -128,7 +128,9 @@ def test_tune_stores_choice_and_run_uses_it(target_path, tmp_path):
     err = r.stderr.decode()
     assert "chose" in err or "does not pay" in err
     shown = json.loads(subprocess.run([sys.executable, "-m", "localspec", "config", "--json"], capture_output=True, env=env).stdout)
-    tuned = shown["tuned"][target_path.name]
+    assert target_path.name not in shown["tuned"]  # keyed by the file itself, not by its name
+    (key, tuned), = shown["tuned"].items()
+    assert key.startswith(str(target_path.resolve()))
     assert tuned["method"] in ("none", "lookup") and tuned["k"] in (0, 1, 2) and tuned["tokens_per_second"] > 0
     r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(target_path), "-n", "4", "--json", "--raw", "hi"],
                        capture_output=True, env=env, timeout=60)
@@ -136,6 +138,17 @@ def test_tune_stores_choice_and_run_uses_it(target_path, tmp_path):
     assert d["requested_method"] == tuned["method"] or tuned["method"] == "auto"
     if tuned["method"] != "none":
         assert d["draft_tokens"] == tuned["k"]
+    # another model of the same file name in another folder is not the tuned one
+    from tinymodels import write_model
+
+    (tmp_path / "elsewhere").mkdir()
+    other = write_model(tmp_path / "elsewhere" / target_path.name, 99)
+    r = subprocess.run([sys.executable, "-m", "localspec", "config", "-m", str(other), "--json"], capture_output=True,
+                       env=env)
+    assert json.loads(r.stdout)["settings"]["method"] == {"value": "auto", "source": "default"}
+    r = subprocess.run([sys.executable, "-m", "localspec", "config", "-m", str(target_path), "--json"],
+                       capture_output=True, env=env)
+    assert json.loads(r.stdout)["settings"]["method"]["source"].startswith("tune")
 
 
 def test_audit_calls_a_real_near_tie_flip_numeric(tmp_path, monkeypatch):
@@ -233,3 +246,37 @@ def test_auto_rows_are_compared_with_the_best_fixed_setting_of_the_same_run():
     assert code["auto_over_oracle"] == pytest.approx(1.4 / 1.5)
     assert (chat["oracle"], chat["oracle_speedup"], chat["auto_over_oracle"]) == ("none", 1.0, pytest.approx(0.99))
     assert by[("lookup k=4", "code")]["oracle"] is None  # only auto rows are compared
+
+
+def test_a_stored_tune_result_applies_only_with_the_draft_it_was_measured_with(tmp_path, monkeypatch):
+    """The entry names the draft it was tuned with; a draft the user names is never dropped for lookup or none."""
+    from localspec import settings as config
+    from localspec.session import resolve_settings, tuned_draft, tuned_key
+
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.delenv("LOCALSPEC_METHOD", raising=False)
+    monkeypatch.delenv("LOCALSPEC_DRAFT", raising=False)
+    target, d1, d2 = (tmp_path / n for n in ("t.gguf", "d1.gguf", "d2.gguf"))
+    for f in (target, d1, d2):
+        f.write_bytes(f.name.encode())
+
+    def store(**entry):
+        config.update_file(config.config_file(), lambda d: d.setdefault("tuned", {}).__setitem__(
+            tuned_key(str(target), None), {"tuned_at": "x", **entry}))
+
+    def method(draft=None):
+        s = resolve_settings({"model": str(target), "draft": draft and str(draft)})
+        return s["method"].value, s["draft_tokens"].value
+
+    store(method="draft", k=3, draft=tuned_draft(str(d1)))
+    assert method(d1) == ("draft", 3)
+    assert method(d2) == ("auto", None) and method() == ("auto", None)  # measured with d1 only
+    assert method(tmp_path / "absent.gguf") == ("auto", None)
+    store(method="lookup", k=2, draft=tuned_draft(str(d1)))
+    assert method(d1) == ("auto", None)  # the named draft stays in use
+    store(method="none", k=0)
+    assert method() == ("none", 0) and method(d1) == ("auto", None)
+    d1.write_bytes(b"rewritten, longer than before")  # another file now: the result is not for it
+    store(method="draft", k=3, draft=tuned_draft(str(d2)))
+    target.write_bytes(b"a new target file")
+    assert method(d2) == ("auto", None)

@@ -5,6 +5,7 @@ agrees with the target, so acceptances and rollbacks really happen)."""
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import subprocess
 import sys
@@ -579,3 +580,32 @@ def test_dflash_missing_symbol_makes_it_unavailable(monkeypatch, bigram, dflash_
         assert "unavailable" in e.dropped_draft and not e.heads
     finally:
         e.close()
+
+
+# ----------------------------------------------------------------- stored tune results and an explicit draft
+def test_a_tune_result_without_a_draft_never_drops_an_explicit_head(tmp_path, monkeypatch, bigram, agreeing_head):
+    """`tune -m bigram.gguf` (no draft: it measures prompt lookup and plain decoding) then `run -m bigram.gguf -d
+    eagle3.gguf`: the stored method must not replace the head the user named, in the CLI and in the settings the
+    server resolves."""
+    from localspec.session import Session
+
+    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg"), "LOCALSPEC_CACHE_DIR": str(tmp_path / "cache"),
+           "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "localspec", "tune", "-m", str(bigram), "--k", "1,2", "-n", "8",
+                        "--limit", "1"], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(bigram), "-d", str(agreeing_head),
+                        "-n", "8", "--json", "--raw", "the cat"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["requested_method"] == "auto" and d["draft_dropped"] is None, d
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    sess = Session({"model": str(bigram), "draft": str(agreeing_head), "ctx_size": 512}, quiet=True)
+    try:
+        s = sess.settings()
+        assert s["method"].value == "auto" and s["method"].source == "default"
+        assert "eagle3" in sess.load().heads  # the head is loaded, so `localspec.method: eagle3` has one to use
+    finally:
+        sess.close()
+    s = Session({"model": str(bigram)}).settings()  # without a draft, the tune result applies
+    assert s["method"].source.startswith("tune")

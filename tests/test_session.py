@@ -15,7 +15,7 @@ import pytest
 
 from fakehub import FakeHub
 from localspec import settings as config
-from localspec.session import Session, generation_slot, resolve_settings
+from localspec.session import Session, generation_slot, resolve_settings, tuned_key
 from localspec.core.stats import Stats
 from test_cli import cli, isolated_config  # noqa: F401  (autouse: config, cache and env isolated per test)
 
@@ -56,7 +56,7 @@ def test_config_command_shows_tune_and_pair_sources():
 
 def test_explicit_flags_beat_stored_tune_results(target_path):
     """Finding 1: `run --method auto --p-min 0.3` ran with the tuned method and p_min."""
-    store_tuned(target_path.name, method="lookup", k=1, p_min=0.9, tuned_at="x")
+    store_tuned(tuned_key(str(target_path), None), method="lookup", k=1, p_min=0.9, tuned_at="x")
     r = cli(["run", "-m", str(target_path), "--method", "auto", "-k", "3", "-n", "6", "--json", "--raw", "hello"])
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
@@ -84,7 +84,7 @@ def test_chat_applies_tune_results_and_k_zero(target_path):
 
     from localspec.tui.app import create_app
 
-    store_tuned(target_path.name, method="lookup", k=3, tuned_at="x")
+    store_tuned(tuned_key(str(target_path), None), method="lookup", k=3, tuned_at="x")
     app = create_app({"model": str(target_path), "ctx_size": 512})
 
     async def go():

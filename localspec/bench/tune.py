@@ -95,11 +95,12 @@ def tune_configs(ks: str, p_mins: str, has_draft: bool) -> list[B.BenchConfig]:
     return B.parse_configs("draft,lookup" if has_draft else "lookup", ks, p_mins, has_draft=has_draft)
 
 
-def tune(engine, prompts: list[dict], *, ks: str, p_mins: str, max_tokens: int, key: str,
+def tune(engine, prompts: list[dict], *, ks: str, p_mins: str, max_tokens: int, key: str, draft: str | None = None,
          slot: Slot = contextlib.nullcontext, on_start: Callable[[int], None] | None = None,
          on_run: Callable[[B.RunResult], None] | None = None) -> tuple[dict, dict]:
-    """Sweep the configs on the sample, store the fastest under `tuned.KEY` in the config file. Returns (the stored
-    entry, the winning summary row)."""
+    """Sweep the configs on the sample, store the fastest under `tuned.KEY` in the config file, with `draft` (the
+    identity of the draft the user named, session.tuned_draft) beside it: the result applies only with that draft.
+    Returns (the stored entry, the winning summary row)."""
     configs = tune_configs(ks, p_mins, engine.draft is not None)
     with slot():
         if on_start:
@@ -109,6 +110,8 @@ def tune(engine, prompts: list[dict], *, ks: str, p_mins: str, max_tokens: int, 
     entry = {"method": best["method"], "k": best["k"], "tokens_per_second": round(best["tps_median"], 2),
              "speedup": round(best["speedup_median"], 3) if best["speedup_median"] else 1.0,
              "tuned_at": time.strftime("%Y-%m-%d %H:%M")}
+    if draft is not None:
+        entry["draft"] = draft
     label = best["config"]
     if label.startswith("draft") and " p=" in label:
         entry["p_min"] = float(label.split(" p=")[1])

@@ -166,7 +166,7 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
 
     from localspec.bench import runner as B
     from localspec.bench import tune as T
-    from localspec.session import generation_slot, tuned_key
+    from localspec.session import generation_slot, tuned_draft, tuned_key
 
     ps = B.load_prompts(prompts, None, limit)
     T.tune_configs(ks, p_mins, has_draft=True)  # bad values fail before any model loads
@@ -176,17 +176,21 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     try:
         progress = _Progress(console, "tuning")
         key = tuned_key(sess["model"], sess.pair)
+        name = sess.pair.name if sess.pair is not None else sess.target_path.name
+        if sess.draft_path is not None:
+            name += f" + {sess.draft_path.name}"
         try:
             entry, best = T.tune(engine, ps, ks=ks, p_mins=p_mins, max_tokens=max_tokens, key=key,
+                                 draft=tuned_draft(sess["draft"]),
                                  slot=lambda: generation_slot(waiting=console.print), on_start=progress.start,
                                  on_run=progress.advance)
         finally:
             progress.stop()
         if best["method"] == "none":
-            console.print(f"speculation does not pay on this machine for {key}: plain decoding measured fastest "
+            console.print(f"speculation does not pay on this machine for {name}: plain decoding measured fastest "
                           f"({best['tps_median']:.1f} tok/s); stored method=none")
         else:
-            console.print(f"chose {best['config']} for {key}: {best['tps_median']:.1f} tok/s, "
+            console.print(f"chose {best['config']} for {name}: {best['tps_median']:.1f} tok/s, "
                           f"{entry['speedup']:.2f}x plain (median of per-prompt ratios); stored in {config.config_file()}")
         return entry
     finally:
