@@ -280,3 +280,51 @@ def test_a_stored_tune_result_applies_only_with_the_draft_it_was_measured_with(t
     store(method="draft", k=3, draft=tuned_draft(str(d2)))
     target.write_bytes(b"a new target file")
     assert method(d2) == ("auto", None)
+
+
+def _replay(*args, timeout=60):
+    return subprocess.run([sys.executable, "-m", "localspec.bench.replay", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _one_error(r):
+    assert r.returncode != 0, r.stdout
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.stderr, r.stderr
+    return lines[0]
+
+
+GOOD_TRACE = [{"id": "t1", "prompt": [1, 2, 3, 4], "output": [5, 6, 5, 6, 5, 6, 5, 6]}]
+
+
+@pytest.mark.parametrize("content,needle", [
+    (None, "no such file"),
+    ("folder", "folder"),
+    (b"{not json", "JSON"),
+    (b"[]", "no traces"),
+    (b'{"traces": []}', "no traces"),
+    (b'"a string"', "list of traces"),
+    (b'[{"id": "a", "prompt": [1], "output": "xyz"}]', "output"),
+    (b'[{"id": "a", "prompt": [1, "x"], "output": [1, 2]}]', "prompt"),
+    (b'[{"id": "a", "prompt": [1], "output": [1]}]', "output"),
+    pytest.param(b"[" * 100000, "JSON", id="nested-too-deep"),
+    (b"\xff\xfe", "UTF-8"),
+])
+def test_replay_bad_trace_files_are_one_error_line(tmp_path, content, needle):
+    f = tmp_path / "traces.json"
+    if content == "folder":
+        f.mkdir()
+    elif content is not None:
+        f.write_bytes(content)
+    assert needle in _one_error(_replay(str(f)))
+
+
+def test_replay_bad_token_counts_and_endless_files(tmp_path):
+    f = tmp_path / "traces.json"
+    f.write_text(json.dumps(GOOD_TRACE))
+    for n in ("0", "1", "-3"):
+        assert "--tokens" in _one_error(_replay(str(f), "--tokens", n))
+    assert "--tokens" in _one_error(_replay(str(f), "--tokens", "x"))
+    assert "too large" in _one_error(_replay("/dev/zero"))  # read up to a cap, not until memory runs out
+    r = _replay(str(f), "--tokens", "6")
+    assert r.returncode == 0 and "geomean" in r.stdout, r.stderr

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 from typing import Callable, Sequence
 
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
@@ -104,25 +106,91 @@ def record(engine, prompts: Sequence[dict], max_tokens: int = 160) -> list[dict]
     return out
 
 
+MAX_BYTES = 64 << 20  # a trace file is read up to this: a device or an endless stream is refused, not exhausted
+
+
+class TraceError(Exception):
+    """A trace file or argument that cannot be replayed: one line for the user."""
+
+
+def _tokens(v, what: str) -> list[int]:
+    if not isinstance(v, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v):
+        raise TraceError(f"{what} must be a list of token ids (whole numbers >= 0)")
+    return v
+
+
 def load(path) -> list[dict]:
-    with open(path) as f:
-        data = json.load(f)
-    return data["traces"] if isinstance(data, dict) else data
+    """The traces in `path` (a JSON list of traces, or {"traces": [...]}), each checked: a string or number "id"
+    (unique), a "prompt" and an "output" of token ids, the output at least 2 tokens (the first comes from the
+    prompt's own pass; replay times the rest)."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_BYTES + 1)
+    except IsADirectoryError:
+        raise TraceError(f"{path} is a folder, not a trace file") from None
+    except FileNotFoundError:
+        raise TraceError(f"no such file: {path}") from None
+    except OSError as exc:
+        raise TraceError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_BYTES:
+        raise TraceError(f"{path} is too large for a trace file (more than {MAX_BYTES >> 20} MiB)")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise TraceError(f"{path} is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise TraceError(f"{path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from None
+    except RecursionError:
+        raise TraceError(f"{path} is not valid JSON here: it is nested too deep") from None
+    traces = data.get("traces") if isinstance(data, dict) else data
+    if not isinstance(traces, list):
+        raise TraceError(f"{path} must hold a list of traces (or {{\"traces\": [...]}})")
+    if not traces:
+        raise TraceError(f"{path} holds no traces")
+    seen = set()
+    for i, tr in enumerate(traces, 1):
+        where = f"{path}: trace {i}"
+        if not isinstance(tr, dict):
+            raise TraceError(f"{where} must be an object with id, prompt and output")
+        if not isinstance(tr.get("id"), (str, int)) or isinstance(tr.get("id"), bool):
+            raise TraceError(f"{where}: id must be a string or a number")
+        if str(tr["id"]) in seen:
+            raise TraceError(f"{where}: id {tr['id']!r} is used twice")
+        seen.add(str(tr["id"]))
+        _tokens(tr.get("prompt"), f"{where}: prompt")
+        if len(_tokens(tr.get("output"), f"{where}: output")) < 2:
+            raise TraceError(f"{where}: output needs at least 2 tokens")
+    return [{**tr, "id": str(tr["id"])} for tr in traces]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's usage block becomes the one error line every front end prints
+        raise TraceError(f"{message} (see --help)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m localspec.bench.replay", description=__doc__.splitlines()[0])
+    ap = _Parser(prog="python -m localspec.bench.replay", description=__doc__.splitlines()[0])
     ap.add_argument("traces")
-    ap.add_argument("--tokens", type=int, default=None)
+    ap.add_argument("--tokens", type=int, default=None, help="replay at most N tokens of each answer (N >= 2)")
     ap.add_argument("--curve", choices=sorted(CURVES), default="avx2")
-    a = ap.parse_args(argv)
-    traces = load(a.traces)
+    try:
+        a = ap.parse_args(argv)
+        if a.tokens is not None and a.tokens < 2:
+            raise TraceError(f"--tokens must be at least 2 (the first token is not timed), got {a.tokens}")
+        traces = load(a.traces)
+    except TraceError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
     rows = table(traces, CURVES[a.curve], a.tokens)
     ids = [tr["id"] for tr in traces]
-    print(f"{'':18}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
-    for name, r in rows.items():
-        g = math.exp(sum(math.log(r[i]) for i in ids) / len(ids))
-        print(f"{name:18}" + "".join(f"{r[i]:11.3f}" for i in ids) + f"{g:11.3f}")
+    try:
+        print(f"{'':18}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
+        for name, r in rows.items():
+            g = math.exp(sum(math.log(r[i]) for i in ids) / len(ids))
+            print(f"{name:18}" + "".join(f"{r[i]:11.3f}" for i in ids) + f"{g:11.3f}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader stopped reading, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 
