@@ -98,6 +98,7 @@ def run(
 
         def keep_the_answer() -> None:
             """llama.cpp aborts the process (an RPC worker died): --json and --no-stream print what they have."""
+            status.clear()  # the error line that follows must not land on the end of the live status line
             if printed or stream:
                 return
             partial = "".join(got)
