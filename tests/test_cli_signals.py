@@ -161,6 +161,63 @@ def test_worker_death_under_json_or_no_stream_prints_the_answer_so_far(long_mode
         assert out.strip() and b"ggml" not in out
 
 
+def _hold_the_generation_slot():
+    """The machine-wide generation slot (session.generation_slot), taken as another localspec generation would."""
+    from filelock import FileLock
+
+    from localspec.store.cachefile import cache_dir
+
+    (cache_dir() / "locks").mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(cache_dir() / "locks" / "generation-slot-0.lock"))
+    lock.acquire(timeout=0)
+    return lock
+
+
+WAITING = "waiting for another localspec generation to finish"
+
+
+@pytest.mark.parametrize("mode", ["--json", "--no-stream"])
+def test_ctrl_c_while_waiting_for_the_generation_slot_says_what_it_stopped(long_model, mode):  # noqa: F811
+    """A stop while the run waits for another process's generation ended with a bare "interrupted" (and nothing on
+    stdout: no answer was begun); the line says what was interrupted."""
+    lock = _hold_the_generation_slot()
+    term = Terminal()
+    try:
+        p = term.start("run", "-m", str(long_model), "-c", "8192", "-n", "8000", "--method", "lookup", "--raw",
+                       mode, "the cat")
+        term.wait(p, "the waiting notice", lambda: WAITING in term.raw)
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        lock.release()
+    err = term.lines()
+    assert p.returncode == 130, (p.returncode, err)
+    assert out == b""
+    assert err[-1] == "interrupted while waiting for another localspec generation to finish", err
+    assert not any("Traceback" in l or "KeyboardInterrupt" in l for l in err), err
+
+
+def test_ctrl_c_after_the_generation_slot_is_taken_prints_the_answer_so_far_as_json(long_model):  # noqa: F811
+    """Once the other generation is done and this run generates, a stop prints the answer so far as JSON."""
+    lock = _hold_the_generation_slot()
+    term = Terminal()
+    try:
+        p = term.start("run", "-m", str(long_model), "-c", "16384", "-n", LONG_N, "--method", "lookup", "--raw",
+                       "--json", "the cat")
+        term.wait(p, "the waiting notice", lambda: WAITING in term.raw)
+    finally:
+        lock.release()
+    seen = term.wait_for_tokens(p)
+    p.send_signal(signal.SIGINT)
+    out, _ = p.communicate(timeout=60)
+    err = term.lines()
+    assert p.returncode == 130, (p.returncode, err[-20:])
+    d = json.loads(out)
+    assert d["finish_reason"] == "interrupted" and d["text"]
+    assert seen <= d["completion_tokens"] < int(LONG_N)
+    assert not any("Traceback" in l for l in err) and not any(l.startswith("interrupted while") for l in err)
+
+
 def test_main_called_in_process_gives_ctrl_c_back_after_a_stop(monkeypatch):
     """main() ignored SIGINT, SIGTERM and SIGHUP after a stop, so that the interpreter's teardown survives a second
     Ctrl-C; called in-process (an embedder, this test suite) it left Ctrl-C ignored for good: in one full test run

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Annotated, Optional
@@ -110,7 +111,14 @@ def run(
             out.flush()
 
         on_abort(keep_the_answer)
-        with generation_slot(waiting=None if quiet else status.info):
+        with contextlib.ExitStack() as slot:
+            try:
+                slot.enter_context(generation_slot(waiting=None if quiet else status.info))
+            except KeyboardInterrupt:  # no answer begun: say what the stop ended (even with -q: it is the outcome)
+                state.interrupt_reported = True
+                sys.stderr.write("interrupted while waiting for another localspec generation to finish\n")
+                sys.stderr.flush()
+                raise typer.Exit(state.interrupt_exit) from None
             status.start(lambda: engine.last_stats)
             try:
                 for ev in engine.generate(tokens, gen_cfg):
