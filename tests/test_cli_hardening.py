@@ -262,3 +262,14 @@ def test_invalid_utf8_argument_is_one_usage_line():
 def test_history_id_out_of_range_is_a_usage_error(cmd):
     """#19.12: `history show 99999999999999999999999` was an OverflowError (exit 1)."""
     one_error_line(cli(["history", cmd, "99999999999999999999999"]), 2)
+
+
+@pytest.mark.parametrize("value,debug", [("1", True), ("0", False), ("", False)])
+def test_localspec_debug_restores_llama_cpp_backtraces(value, debug):
+    """LOCALSPEC_DEBUG=1 (the name the README and --help give) lets ggml print its backtrace; otherwise it is off."""
+    code = ("import os; from localspec.llama import lib; "
+            "print(lib.DEBUG, os.environ.get('GGML_NO_BACKTRACE'))")
+    env = {k: v for k, v in os.environ.items() if k != "GGML_NO_BACKTRACE"} | {"LOCALSPEC_DEBUG": value}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ([str(debug), "None"] if debug else [str(debug), "1"])

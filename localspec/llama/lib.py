@@ -10,7 +10,7 @@ import threading
 
 from localspec.errors import ModelLoadError
 
-DEBUG = os.environ.get("LOCALSPECDEBUG", "") not in ("", "0")
+DEBUG = os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")  # as the CLI reads it (--debug)
 if not DEBUG:
     # ggml forks gdb for a backtrace on GGML_ABORT and on uncaught C++ exceptions (the latter decided when the
     # library loads, so this must come before the import); users get one `error:` line instead (see on_abort)
