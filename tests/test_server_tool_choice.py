@@ -84,9 +84,10 @@ def test_a_streamed_forced_call_reassembles_to_the_whole_answers(open_api):
 def test_parameters_llguidance_cannot_enforce_are_a_400_naming_tools(open_api):
     bad = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}
-    status, _, err = post(open_api, "/v1/chat/completions", {"messages": MSG, "tools": [bad], "max_tokens": 2,
-                                                             "tool_choice": "required"})
-    assert status == 400 and err["error"]["param"] == "tools", err
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        status, _, err = post(open_api, "/v1/chat/completions", {"messages": MSG, "tools": [WEATHER, bad],
+                                                                 "max_tokens": 2, "tool_choice": choice})
+        assert status == 400 and err["error"]["param"] == "tools[1]", err
 
 
 @pytest.mark.parametrize("template,fmt", [("... <tool_call> ...", "hermes"), ("[TOOL_CALLS]", "mistral"),
@@ -161,3 +162,116 @@ def test_a_hermes_template_through_the_server(open_api, monkeypatch):
     check_weather(json.loads(ch.message.tool_calls[0].function.arguments))
     free = ask(c, "auto", "draft").choices[0]
     assert free.finish_reason in ("stop", "length") and free.message.content
+
+
+# pydantic-style parameters: nested models in `$defs` (pydantic v2) or `definitions` (v1), reached by `$ref`. Two
+# tools define a `Unit` each, with different values: each call's arguments must follow its own tool's `Unit`.
+def defs_tool(name: str, units: list[str], key: str) -> dict:
+    ref = f"#/{key}/"
+    return {"type": "function", "function": {"name": name, "parameters": {
+        key: {"Unit": {"title": "Unit", "type": "string", "enum": units},
+              "Reading": {"title": "Reading", "type": "object", "properties": {
+                  "value": {"type": "integer", "minimum": 0, "maximum": 99}, "unit": {"$ref": ref + "Unit"}},
+                  "required": ["value", "unit"], "additionalProperties": False}},
+        "title": name, "type": "object", "properties": {"reading": {"$ref": ref + "Reading"},
+                                                        "fallback": {"$ref": ref + "Unit"}},
+        "required": ["reading", "fallback"]}}}
+
+
+UNITS = {"log_temp": ["celsius", "kelvin"], "log_speed": ["kmh", "knots"]}
+
+
+def defs_tools(key: str) -> list[dict]:
+    return [defs_tool(name, units, key) for name, units in UNITS.items()]
+
+
+def check_defs_call(name: str, args: dict):
+    units = UNITS[name]
+    assert set(args) == {"reading", "fallback"} and args["fallback"] in units, args
+    r = args["reading"]
+    assert set(r) == {"value", "unit"} and r["unit"] in units and isinstance(r["value"], int), args
+    assert 0 <= r["value"] <= 99
+
+
+@pytest.mark.parametrize("key", ["$defs", "definitions"])
+def test_tools_with_defs_are_enforced_for_required_and_named(open_api, key):
+    c = open_api.client(max_retries=0)
+    for choice in ("required", {"type": "function", "function": {"name": "log_speed"}}):
+        r = c.chat.completions.create(model="x", messages=MSG, tools=defs_tools(key), tool_choice=choice,
+                                      max_tokens=200, temperature=0, extra_body={"localspec": {"method": "draft"}})
+        ch = r.choices[0]
+        assert ch.finish_reason == "tool_calls" and ch.message.tool_calls, ch
+        for call in ch.message.tool_calls:
+            check_defs_call(call.function.name, json.loads(call.function.arguments))
+        if isinstance(choice, dict):
+            assert [call.function.name for call in ch.message.tool_calls] == ["log_speed"]
+
+
+@pytest.mark.parametrize("template,fmt", [("... <tool_call> ...", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                                          ("<|start_header_id|>", "llama3"), (None, "json")])
+def test_defs_resolve_in_each_format_and_for_each_tool(target_path, template, fmt):
+    """Each layout nests a function's parameters at another place in the call grammar; its `$ref`s follow them.
+    Each tool is forced in turn, so both tools' own definitions are decoded."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.server import tools as T
+    from localspec.server.grammar import Grammar
+
+    eng = Engine.load(target_path, n_ctx=512)
+    try:
+        for key in ("$defs", "definitions"):
+            tools = defs_tools(key)
+            for choice in ["required"] + [{"type": "function", "function": {"name": n}} for n in UNITS]:
+                g = T.choice_grammar(tools, choice, template, parallel=False)
+                fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=200,
+                                                                        constraint=Grammar(g, eng.target)))
+                assert fin.finish_reason == "stop", fin.text
+                content, calls = T.parse(fin.text, set(UNITS))
+                assert len(calls) == 1 and content == "", fin.text
+                if isinstance(choice, dict):
+                    assert calls[0].name == choice["function"]["name"]
+                check_defs_call(calls[0].name, json.loads(calls[0].arguments))
+    finally:
+        eng.close()
+
+
+def test_auto_holds_a_call_to_parameters_with_defs(target_path):
+    """tool_choice auto (Hermes): the lazy grammar is built for `$defs` schemas too, and a call that follows the
+    marker is decoded under them."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.server import tools as T
+    from localspec.server.grammar import Grammar
+
+    for key in ("$defs", "definitions"):
+        got = T.auto_grammar(defs_tools(key), "auto", "<tool_call>")
+        assert got is not None
+        g, trigger = got
+        assert trigger == "<tool_call>"
+        eng = Engine.load(target_path, n_ctx=512)
+        try:
+            fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=200,
+                                                                    constraint=Grammar(g, eng.target)))
+        finally:
+            eng.close()
+        assert fin.text.startswith("<tool_call>\n{"), fin.text
+        content, calls = T.parse(fin.text, set(UNITS))
+        assert calls and content == "", fin.text
+        for call in calls:
+            check_defs_call(call.name, json.loads(call.arguments))
+
+
+def test_under_auto_parameters_llguidance_cannot_enforce_are_a_400_naming_the_tool(open_api, monkeypatch):
+    """A lazy grammar that cannot be built is an error, not a call left unchecked."""
+    import localspec.server.app as A
+
+    monkeypatch.setattr(A, "template_text", lambda eng: "... <tool_call> ...")
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}}
+    for choice in ("auto", None):
+        body = {"messages": MSG, "tools": [WEATHER, bad], "max_tokens": 2,
+                **({"tool_choice": choice} if choice else {})}
+        status, _, err = post(open_api, "/v1/chat/completions", body)
+        assert status == 400 and err["error"]["param"] == "tools[1]", err
+        assert "format" in err["error"]["message"], err
+    status, _, body = post(open_api, "/v1/chat/completions", {"messages": MSG, "tools": defs_tools("$defs"),
+                                                               "max_tokens": 4, "tool_choice": "auto"})
+    assert status == 200, body

@@ -25,8 +25,6 @@ _LOCK = threading.Lock()
 def grammar_of(response_format) -> str | None:
     """The llguidance grammar of a request's `response_format` (None: free text). 400 for a bad or unsupported
     one."""
-    import llguidance
-
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
@@ -46,16 +44,72 @@ def grammar_of(response_format) -> str | None:
     else:
         raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
                        param="response_format")
+    return schema_grammar(schema, "response_format", "response_format")
+
+
+def schema_grammar(schema, where: str, param: str) -> str:
+    """The llguidance grammar of a JSON Schema; a 400 naming `param` (`where`: the field, for the message) when
+    llguidance cannot compile it."""
+    import llguidance
+
     try:
         grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
     except ValueError as exc:
-        raise APIError(400, f"response_format: the schema is not valid: {exc}", param="response_format") from None
-    is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_err:
-        msg = " ".join(str(messages[0]).split()) if messages else "not supported"
-        raise APIError(400, f"response_format: unsupported JSON Schema: {msg}", param="response_format",
-                       code="unsupported_schema")
+        raise APIError(400, f"{where}: the schema is not valid: {exc}", param=param) from None
+    problem = grammar_problem(grammar)
+    if problem is not None:
+        raise APIError(400, f"{where}: unsupported JSON Schema: {problem}", param=param, code="unsupported_schema")
     return grammar
+
+
+def grammar_problem(grammar: str) -> str | None:
+    """Why llguidance refuses `grammar` (one line), or None."""
+    import llguidance
+
+    try:
+        is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    except ValueError as exc:
+        is_err, messages = True, [exc]
+    if is_err:
+        return " ".join(str(messages[0]).split()) if messages else "not supported"
+    return None
+
+
+# keywords whose values are JSON data, not schemas (a "$ref" key in a `const` is data); and keywords that map names
+# to schemas (a property may be called "$ref" or "enum")
+_DATA = frozenset({"const", "enum", "default", "examples"})
+_NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
+
+
+def map_refs(node, fn):
+    """A copy of the JSON Schema `node` in which each subschema that holds a `$ref` is replaced by fn(subschema)
+    (its own subschemas mapped first). A subschema with its own `$id` is a resource of its own, whose references
+    resolve against it: it is kept as it is."""
+    if isinstance(node, list):
+        return [map_refs(x, fn) for x in node]
+    if not isinstance(node, dict) or "$id" in node:
+        return node
+    out = {}
+    for k, v in node.items():
+        if k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: map_refs(sub, fn) for name, sub in v.items()}
+        else:
+            out[k] = map_refs(v, fn)
+    return fn(out) if isinstance(out.get("$ref"), str) else out
+
+
+def rebase(schema, at: str):
+    """`schema` as a part of a larger schema, at the JSON pointer `at` there: its local references ("#",
+    "#/$defs/...", "#/properties/...") point at the same places under `at`, so its `$defs` / `definitions` are
+    found where they now are (a pointer names a place in the whole document, and llguidance reads the whole
+    grammar's schema as the document)."""
+    def move(sub):
+        ref = sub["$ref"]
+        return {**sub, "$ref": "#" + at + ref[1:]} if ref == "#" or ref.startswith("#/") else sub
+
+    return map_refs(schema, move)
 
 
 class _Vocab:

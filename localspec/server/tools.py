@@ -280,35 +280,42 @@ def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None,
                  parallel: bool = True) -> tuple[str, str] | None:
     """(grammar, trigger) for tool_choice "auto" (or none given) with tools, in a format whose calls start with a
     marker: the model writes freely, and once it writes the marker its call follows the tools' schemas (a lazy
-    grammar, server/grammar.py Lazy). None: nothing to enforce (other formats, no tools, "none")."""
+    grammar, server/grammar.py Lazy). None: nothing to enforce (other formats, no tools, "none"). 400 (param
+    tools[i]) as choice_grammar: a call that cannot be held to its schema is refused, not left unchecked."""
     if tools is None or tool_choice not in (None, "auto"):
         return None
     trigger = TRIGGERS.get(call_format(template))
     if trigger is None:
         return None
-    try:
-        return choice_grammar(tools, "required", template, parallel), trigger
-    except APIError:  # a schema llguidance cannot enforce: the model's free choice, as without a grammar
-        return None
+    return choice_grammar(tools, "required", template, parallel), trigger
 
 
 def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True) -> str | None:
     """The llguidance grammar a tool_choice forces (None: "auto", "none" or no tools: the model chooses). "required":
     one or more calls of any of the tools (one: `parallel` False, the request's parallel_tool_calls: false);
-    {"function": {"name": N}}: one call of N. 400 (param tools) for a function schema llguidance cannot compile."""
+    {"function": {"name": N}}: one call of N. 400 (param tools[i]) for a function schema llguidance cannot
+    compile."""
     if tools is None or not (tool_choice == "required" or isinstance(tool_choice, dict)):
         return None
     import llguidance
 
-    from localspec.server.grammar import JSON_STYLE
+    from localspec.server.grammar import JSON_STYLE, grammar_problem, rebase, schema_grammar
 
+    chosen = list(enumerate(tools))
     if isinstance(tool_choice, dict):
-        tools = [t for t in tools if t["function"]["name"] == tool_choice["function"]["name"]]
+        chosen = [(i, t) for i, t in chosen if t["function"]["name"] == tool_choice["function"]["name"]]
         parallel = False
     fmt = call_format(template)
     key = "parameters" if fmt == "llama3" else "arguments"
-    calls = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]}, key: _closed(t)},
-              "required": ["name", key], "additionalProperties": False} for t in tools]
+    outer = "/items" if fmt == "mistral" else ""  # where the call object sits in the format's schema
+    calls = []
+    for n, (i, t) in enumerate(chosen):
+        params = _closed(t)
+        schema_grammar(params, f"tools[{i}].function.parameters", f"tools[{i}]")  # 400 naming this tool
+        at = outer + (f"/anyOf/{n}" if len(chosen) > 1 else "") + f"/properties/{key}"
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       key: rebase(params, at)},
+                      "required": ["name", key], "additionalProperties": False})
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if fmt == "hermes":
         more = ' ("\\n" call)*' if parallel else ""
@@ -321,11 +328,10 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
         lark = f'start: %json {json.dumps({**one, "x-guidance": JSON_STYLE})}'
     try:
         grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        is_err, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+        problem = grammar_problem(grammar)
     except ValueError as exc:
-        is_err, messages = True, [exc]
-    if is_err:
-        msg = " ".join(str(messages[0]).split()) if messages else "not supported"
-        raise APIError(400, f"tools: a function's parameters cannot be enforced for tool_choice: {msg}",
+        problem = " ".join(str(exc).split())
+    if problem is not None:
+        raise APIError(400, f"tools: the functions' parameters cannot be enforced for tool_choice: {problem}",
                        param="tools", code="unsupported_schema")
     return grammar
