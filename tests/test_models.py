@@ -346,3 +346,36 @@ def test_models_info_judges_a_head_pair_by_the_target(env, head_files):
     assert info["compatible"] is False and "qwen2" in info["difference"]
     r = cli(["models", "add", "bad-layers", "--target", str(f["target"]), "--draft", str(f["dflash-b"])])
     assert r.returncode == 0 and b"warning: this draft cannot speculate" in r.stderr and b"[0, 1, 9]" in r.stderr
+
+
+def _nested_arrays(path: Path, depth: int) -> Path:
+    """A GGUF whose one metadata value is an array of arrays `depth` levels deep (no reader needs more than 2)."""
+    import struct
+
+    body = b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 12) + b"general.deep" + struct.pack("<I", 9)
+    body += struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 4, 1) + struct.pack("<I", 7)
+    path.write_bytes(body)
+    return path
+
+
+def _one_error(r) -> str:
+    err = r.stderr.decode()
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def test_models_add_refuses_a_header_it_cannot_read(env, target_path):
+    """A header the reader cannot parse (arrays nested past any real file, truncated, not GGUF) is an error, and
+    nothing is added."""
+    bad = {"deep": _nested_arrays(env / "deep.gguf", 5000), "trunc": env / "trunc.gguf", "text": env / "text.gguf"}
+    bad["trunc"].write_bytes(target_path.read_bytes()[:300])
+    bad["text"].write_bytes(b"not a model at all\n")
+    for name, f in bad.items():
+        for args in (["--target", str(f)], ["--target", str(target_path), "--draft", str(f)]):
+            line = _one_error(cli(["models", "add", f"p-{name}", *args]))
+            assert f.name in line and "RecursionError" not in line, line
+        assert f.name in _one_error(cli(["models", "info", str(f)]))
+    names = {p["name"] for p in json.loads(cli(["models", "list", "--json"]).stdout)}
+    assert not any(n.startswith("p-") for n in names)
+    assert not (env / "cfg" / "pairs.toml").exists() or "p-" not in (env / "cfg" / "pairs.toml").read_text()

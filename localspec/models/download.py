@@ -451,25 +451,27 @@ def remote_incompatibility(target: FileSpec, draft: FileSpec) -> str | None:
 def header_metadata(*specs: FileSpec) -> list[dict] | None:
     """The GGUF header metadata of each spec (a local copy, else the hub with HTTP range requests); None when one
     cannot be read now (offline, hub unreachable, ranged read refused)."""
-    from localspec.errors import LocalspecError
-    from localspec.models.gguf_header import read_metadata
+    from localspec.errors import LocalspecError, ModelLoadError
+    from localspec.models.gguf_header import read_file_metadata, read_metadata
 
     metas = []
     reach = None
     for spec in specs:
         lp = local_path(spec)
+        if lp is not None:  # a local header that cannot be read is an error, never "cannot be checked now"
+            metas.append(read_file_metadata(lp))
+            continue
         try:
-            if lp is not None:
-                with open(lp, "rb") as fh:
-                    metas.append(read_metadata(fh))
-                continue
             if spec.path is not None or offline():
                 return None
             if reach is None:
                 reach = hub_reachable()
             if reach is not True:
                 return None
-            metas.append(read_metadata(RemoteFile(spec)))
+            try:
+                metas.append(read_metadata(RemoteFile(spec)))
+            except ModelLoadError as exc:
+                raise ModelLoadError(f"{spec.label}: {exc}") from None
         except LocalspecError:
             raise
         except Exception:

@@ -17,9 +17,15 @@ FILE_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 7: "Q8_0", 8: "Q5_0", 9:
               32: "BF16", 36: "TQ1_0", 37: "TQ2_0", 38: "MXFP4"}
 
 
+# arrays of arrays deeper than this are refused: GGUF writers nest at most once (llama.cpp reads no nesting at all),
+# and a deeper header would only exhaust the reader's recursion
+MAX_ARRAY_DEPTH = 4
+
+
 class _Reader:
     def __init__(self, fh: BinaryIO) -> None:
         self.fh = fh
+        self.depth = 0
 
     def read(self, n: int) -> bytes:
         b = self.fh.read(n)
@@ -53,7 +59,13 @@ class _Reader:
                 size = struct.calcsize(_SCALARS[sub])
                 data = self.read(size * n)
                 return list(struct.unpack("<" + _SCALARS[sub][1] * n, data))
-            return [self.value(sub, keep_arrays) for _ in range(n)]
+            if self.depth >= MAX_ARRAY_DEPTH:
+                raise ModelLoadError(f"corrupt GGUF: arrays nested more than {MAX_ARRAY_DEPTH} deep")
+            self.depth += 1
+            try:
+                return [self.value(sub, keep_arrays) for _ in range(n)]
+            finally:
+                self.depth -= 1
         raise ModelLoadError(f"corrupt GGUF: unknown value type {typ}")
 
 
@@ -83,11 +95,14 @@ def read_metadata(fh: BinaryIO) -> dict:
 
 
 def read_file_metadata(path) -> dict:
+    """read_metadata of a local file; any failure is a ModelLoadError that names the file."""
     try:
         with open(path, "rb") as fh:
             return read_metadata(fh)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from None
 
 
 def vocab_info(meta: dict) -> VocabInfo:
