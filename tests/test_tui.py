@@ -782,3 +782,159 @@ def test_a_load_result_arriving_while_the_app_closes_is_dropped(tmp_path):
             await pilot.pause()
 
     asyncio.run(go())
+
+
+# ---------------------------------------------------------------- typed while the models load
+def gated_loader(gate, fail: str | None = None):
+    """A loader that holds the app in "loading the models" until `gate` is set, then loads a ScriptedEngine (or
+    fails with `fail`). The wait is bounded so that a failing test never leaves a thread behind."""
+    from localspec.errors import ModelLoadError
+
+    def load(s):
+        gate.wait(timeout=60)
+        if fail:
+            raise ModelLoadError(fail)
+        return ScriptedEngine()
+
+    return load
+
+
+def notes_of(app) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+def test_a_prompt_sent_while_the_models_load_waits_and_is_sent_once_they_are(tmp_path):
+    """A prompt sent in the first seconds ("loading the models …") was dropped: the box emptied, nothing was sent."""
+    import threading
+
+    gate = threading.Event()
+    app = create_app(settings(tmp_path / "scripted.gguf", max_tokens=64), engine_loader=gated_loader(gate))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, "hello there")
+            await pilot.pause(0.1)
+            assert app.engine is None  # still loading
+            [view] = [m for m in app.query(MessageView) if m.role == "user"]
+            assert view.text == "hello there" and "waiting" in view.note
+            assert "will be sent when the models are loaded" in view.note
+            assert any("will be sent when the models are loaded" in n for n in notes_of(app)), notes_of(app)
+            # commands are not held back by the loading: they run at once
+            await send(pilot, "/k 3")
+            assert app.s["draft_tokens"] == 3 and "k 3" in str(app.query_one("#header").render())
+            # a command that would replace the chat under the waiting prompt is refused, and says why
+            await send(pilot, "/new")
+            await pilot.pause(0.1)
+            assert "waits for the models" in notes_of(app)[-1]
+            assert [m.text for m in app.query(MessageView) if m.role == "user"] == ["hello there"]
+            # one prompt waits at a time: a second one stays in the box, and the app says so
+            await send(pilot, "and another")
+            await pilot.pause(0.1)
+            assert box.text == "and another"
+            assert any("already waits" in n for n in notes_of(app)), notes_of(app)
+            assert [m.text for m in app.query(MessageView) if m.role == "user"] == ["hello there"]
+            gate.set()
+            await until(pilot, lambda: app.query(MessageView).last().role == "assistant"
+                        and app.query(MessageView).last().finished)
+            assert app.query(MessageView).last().text == ScriptedEngine.ANSWER
+            assert [(m["role"], m["content"]) for m in app.messages] == [("user", "hello there"),
+                                                                         ("assistant", ScriptedEngine.ANSWER)]
+            assert view.note == "" and app.waiting is None
+            assert box.text == "and another"  # the second prompt is still there, ready to send
+
+    asyncio.run(go())
+
+
+def test_a_prompt_waiting_for_models_that_fail_to_load_goes_back_to_the_box(tmp_path):
+    import threading
+
+    gate = threading.Event()
+    app = create_app(settings(tmp_path / "scripted.gguf"), engine_loader=gated_loader(gate, fail="no such file"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, "hello there")
+            await pilot.pause(0.1)
+            gate.set()
+            await until(pilot, lambda: any(m.role == "error" for m in app.query(MessageView)))
+            await pilot.pause(0.1)
+            err = [m for m in app.query(MessageView) if m.role == "error"][0]
+            assert "no such file" in err.text
+            assert box.text == "hello there"  # not sent, not lost
+            [view] = [m for m in app.query(MessageView) if m.role == "user"]
+            assert "not sent" in view.note and app.messages == [] and app.waiting is None
+            # with no model at all, a prompt is refused, says why, and stays in the box too
+            box.clear()
+            await send(pilot, "again")
+            await pilot.pause(0.1)
+            assert box.text == "again" and "no model" in notes_of(app)[-1]
+
+    asyncio.run(go())
+
+
+def test_esc_takes_back_a_waiting_prompt_and_quitting_asks_first(tmp_path):
+    import threading
+
+    from localspec.tui.screens.confirm import ConfirmScreen
+
+    gate = threading.Event()
+    app = create_app(settings(tmp_path / "scripted.gguf"), engine_loader=gated_loader(gate))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await send(pilot, "hello there")
+            await pilot.pause(0.1)
+            await pilot.press("ctrl+q")  # an unsent prompt is not thrown away without asking
+            await until(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, ConfirmScreen))
+            assert app.is_running and app.waiting is not None
+            await pilot.press("escape")
+            await pilot.pause(0.1)
+            assert box.text == "hello there" and app.waiting is None
+            assert not [m for m in app.query(MessageView) if m.role == "user"]
+            gate.set()
+            await until(pilot, lambda: app.engine is not None)
+            await pilot.pause(0.2)
+            assert app.messages == [] and not app.generating  # nothing was sent
+
+    asyncio.run(go())
+
+
+class GatedEngine(ScriptedEngine):
+    """A ScriptedEngine whose answer holds after its first piece until `gate` is set."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.gate = gate
+
+    def generate(self, tokens, cfg, cancel=None):
+        for i, ev in enumerate(super().generate(tokens, cfg, cancel)):
+            if i == 1:
+                self.gate.wait(timeout=60)
+            yield ev
+
+
+def test_a_prompt_refused_while_an_answer_streams_stays_in_the_box(tmp_path):
+    import threading
+
+    gate = threading.Event()
+    app = create_app(settings(tmp_path / "scripted.gguf"), engine_loader=lambda s: GatedEngine(gate))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            box = app.query_one("#prompt")
+            await until(pilot, lambda: app.engine is not None)
+            await send(pilot, "first")
+            await until(pilot, lambda: app.generating)
+            await send(pilot, "second")
+            await pilot.pause(0.1)
+            assert box.text == "second" and "wait for the answer" in notes_of(app)[-1]
+            gate.set()
+            await until(pilot, lambda: not app.generating)
+            assert [m["content"] for m in app.messages if m["role"] == "user"] == ["first"]
+
+    asyncio.run(go())

@@ -23,12 +23,14 @@ from localspec.tui.messages import Done, Failed, Loaded, LoadFailed, Notice, Tok
 from localspec.tui.notes import answer_note, compare_note, stats_record
 from localspec.tui.screens.confirm import ConfirmScreen
 from localspec.tui.widgets.header_bar import HeaderBar
+from localspec.tui.widgets.message import MessageView
 from localspec.tui.widgets.prompt_box import PromptBox
 from localspec.tui.widgets.stats_panel import StatsPanel
 from localspec.tui.widgets.transcript import Transcript
 from localspec.tui.widgets.welcome import Welcome
 
 PANEL_MIN_WIDTH = 100  # below this many columns the stats panel hides itself (F4 shows it)
+WAITING_NOTE = "waiting · will be sent when the models are loaded (Esc takes it back)"
 
 
 class LocalspecApp(ChatHistory, App):
@@ -67,6 +69,10 @@ class LocalspecApp(ChatHistory, App):
         self.writer = None  # the answer being stored as it streams
         self.warmed_tokens: int | None = None  # prompt tokens put in the KV cache ahead of a resumed chat's turn
         self._resume = resume
+        self._loads = 0  # loads started and not yet finished (a /model may start one while another runs)
+        # a prompt sent while the models load: (its text, its view); sent once they are loaded. One at a time, as
+        # one answer streams at a time: a second prompt stays in the box.
+        self.waiting: tuple[str, MessageView] | None = None
 
     # ------------------------------------------------------------------ layout
     def compose(self) -> ComposeResult:
@@ -131,8 +137,18 @@ class LocalspecApp(ChatHistory, App):
         return D.DRAFT_TOKENS if k is None else int(k)
 
     # ------------------------------------------------------------------ loading
-    @work(thread=True, exclusive=True, group="load")
+    @property
+    def loading(self) -> bool:
+        return self._loads > 0
+
     def load_models(self, model: str) -> None:
+        """Load `model` (a pair or a path) behind the loading indicator; a prompt sent meanwhile waits for it."""
+        self._loads += 1
+        self.query_one("#loading").display = True
+        self._load(model)
+
+    @work(thread=True, exclusive=True, group="load")
+    def _load(self, model: str) -> None:
         before = dict(self.session.overrides)
         try:
             if model != self.s["model"]:
@@ -161,10 +177,11 @@ class LocalspecApp(ChatHistory, App):
     @on(Loaded)
     def loaded(self, msg: Loaded) -> None:
         self.engine = msg.engine
+        self._loads -= 1
         if self._screen_gone():
             return
         self.pair_name = _display_name(msg.name)
-        self.query_one("#loading").display = False
+        self.query_one("#loading").display = self.loading
         mem = {self.engine.target.name: self.engine.target.memory_bytes()}
         if self.engine.draft is not None:
             mem[self.engine.draft.name] = self.engine.draft.memory_bytes()
@@ -174,17 +191,29 @@ class LocalspecApp(ChatHistory, App):
         for note in self.session.notices(self.engine):
             self.notify(note, severity="warning", timeout=10)
         self.refresh_header()
-        if self.messages:
+        if self.loading:
+            return
+        if self.waiting is not None:  # its turn puts the chat in the KV cache anyway
+            text, view = self.waiting
+            self.waiting = None
+            view.finish("")
+            self.send(text, view)
+        elif self.messages:
             self.warm_cache(self.chat_id, self.chat_messages())
 
     @on(LoadFailed)
     def load_failed(self, msg: LoadFailed) -> None:
+        self._loads -= 1
         if self._screen_gone():
             return
-        self.query_one("#loading").display = False
+        self.query_one("#loading").display = self.loading
         view = self.query_one(Transcript).add("error", f"could not load the model: {msg.error}")
         view.add_class("error")
         self.notify(msg.error, severity="error", timeout=10)
+        if self.waiting is not None and not self.loading:
+            text, waiting_view = self.waiting
+            self.waiting = None
+            waiting_view.finish(f"not sent: the model did not load · {self.give_back(text)}")
 
     # ------------------------------------------------------------------ prompts and commands
     def prefill(self, text: str) -> None:
@@ -198,19 +227,48 @@ class LocalspecApp(ChatHistory, App):
         except UsageError as exc:
             self.notify(error_text(exc), severity="error")
 
+    def give_back(self, text: str) -> str:
+        """Put a prompt that was not sent back in the prompt box, so nothing typed is lost; where something new was
+        typed there meanwhile, that stays and Up recalls the prompt (the box keeps every prompt sent). Says where
+        the prompt is."""
+        box = self.query_one(PromptBox)
+        if box.text.strip():
+            return "Up recalls it"
+        box.recall(text)
+        box.focus()
+        return "it is back in the prompt box"
+
     @on(PromptBox.Submitted)
     def submitted(self, event: PromptBox.Submitted) -> None:
         text = event.text
         if text.startswith("/"):
             self.run_command_text(text)
             return
-        if self.engine is None:
-            self.notify("the model is still loading (or failed to load)", severity="warning")
-            return
         if self.generating:
-            self.notify("wait for the answer, or press Esc to stop it", severity="warning")
+            where = self.give_back(text)
+            self.notify(f"wait for the answer, or press Esc to stop it ({where})", severity="warning")
             return
-        self.query_one(Transcript).add("user", text)
+        if self.waiting is not None:
+            where = self.give_back(text)
+            self.notify(f"a prompt already waits for the models; this one is not sent ({where})", severity="warning")
+            return
+        if self.loading:
+            view = self.query_one(Transcript).add("user", text)
+            view.finish(WAITING_NOTE)
+            self.waiting = (text, view)
+            self.notify("the models are loading: your prompt will be sent when the models are loaded")
+            return
+        if self.engine is None:
+            where = self.give_back(text)
+            self.notify(f"no model is loaded (the error above says why); /model NAME|PATH loads one ({where})",
+                        severity="warning")
+            return
+        self.send(text)
+
+    def send(self, text: str, view: MessageView | None = None) -> None:
+        """Send a prompt: shown (in `view`, where it is already shown), stored, answered."""
+        if view is None:
+            self.query_one(Transcript).add("user", text)
         self.messages.append({"role": "user", "content": text})
         self.history_call(lambda: self.store_user(text))
         self.start_generation(self.chat_messages())
@@ -314,6 +372,11 @@ class LocalspecApp(ChatHistory, App):
             return
         if self.generating:
             self._cancel.set()
+        elif self.waiting is not None:  # take back a prompt waiting for the models
+            text, view = self.waiting
+            self.waiting = None
+            view.remove()
+            self.notify(f"prompt not sent ({self.give_back(text)})")
 
     def action_toggle_details(self) -> None:
         panel = self.query_one(StatsPanel)
@@ -346,16 +409,18 @@ class LocalspecApp(ChatHistory, App):
         self.push_screen(screen, answered)
 
     def action_request_quit(self) -> None:
-        if not self.generating:
+        if not self.generating and self.waiting is None:
             self.exit()
             return
+        question = ("An answer is being generated. Quit anyway?" if self.generating
+                    else "A prompt waits for the models to load. Quit anyway?")
 
         def answer(yes: bool) -> None:
             if yes:
                 self._cancel.set()
                 self.exit()
 
-        self.ask("An answer is being generated. Quit anyway?", answer)
+        self.ask(question, answer)
 
     def on_unmount(self) -> None:
         self._cancel.set()

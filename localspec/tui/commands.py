@@ -116,8 +116,16 @@ def not_while_generating(app) -> None:
         raise UsageError("stop the answer first (Esc)")
 
 
-def new_chat(app, arg: str) -> None:
+def not_while_busy(app) -> None:
+    """Commands that replace the chat wait for the answer, and for a prompt waiting for the models (it would land
+    in another chat than the one it was typed in)."""
     not_while_generating(app)
+    if app.waiting is not None:
+        raise UsageError("a prompt waits for the models: wait for its answer, or Esc takes it back")
+
+
+def new_chat(app, arg: str) -> None:
+    not_while_busy(app)
     app.new_chat()
 
 
@@ -138,7 +146,7 @@ def show_history(app, arg: str) -> None:
 def load_chat(app, arg: str) -> None:
     if not arg.isdigit():
         raise UsageError("/load takes a chat number (/history lists them)")
-    not_while_generating(app)
+    not_while_busy(app)
     app.need_history()
     app.open_chat(int(arg))
     if app.engine is not None:
@@ -156,7 +164,7 @@ def rename_chat(app, arg: str) -> None:
 
 def delete_chat(app, arg: str) -> None:
     app.need_history()
-    not_while_generating(app)
+    not_while_busy(app)
     if app.chat_id is None:
         raise UsageError("nothing to delete: this chat is not stored yet")
     chat_id, title = app.chat_id, app.chat_title
@@ -216,13 +224,14 @@ def switch_model(app, arg: str) -> None:
     if not arg:
         raise UsageError("/model takes a pair name or a GGUF path")
     not_while_generating(app)
-    app.query_one("#loading").display = True
-    app.load_models(arg)
+    app.load_models(arg)  # a prompt waiting for the models waits for these
 
 
 def compare(app, arg: str) -> None:
     if app.generating:
         raise UsageError("wait for the answer first")
+    if app.loading:  # the rerun would use the model being replaced
+        raise UsageError("wait for the models to load first")
     if app.last_result is None or len(app.messages) < 2:
         raise UsageError("nothing to compare yet: ask something first")
     # the conversation up to (not including) the last answer, rerun with plain decoding
