@@ -1,6 +1,7 @@
 """Structured output (`response_format` json_object / json_schema) with speculation kept on: the answer follows
 the schema, and at temperature 0 it is the same with method none, lookup and draft (each verify row is masked by
-the grammar state after the drafts before it). A schema llguidance cannot compile is a 400 naming the problem."""
+the grammar state after the drafts before it). A schema llguidance cannot compile, or one no finite value
+satisfies, is a 400 naming the problem."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")
 
-from test_server_hardening import open_api, session  # noqa: E402,F401  (fixtures)
+from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
 
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},
@@ -101,3 +102,116 @@ def test_the_grammar_masks_each_verify_row_and_rolls_back():
     p, masks = _grammar_masks(g, Proposal([1, 5, 6, 7], q=np.ones((4, 10))))
     assert p.tokens == [1, 5] and p.q.shape[0] == 2 and len(masks) == 3 and g.seq == []
     assert [int(np.argmax(m)) for m in masks[:2]] == [1, 2]
+
+
+# schemas no finite JSON value satisfies: each way to a value needs the value itself, inside itself
+def _cycle(key: str) -> dict:
+    return {"type": "object", "properties": {"a": {"$ref": f"#/{key}/A"}}, "required": ["a"],
+            key: {"A": {"type": "object", "properties": {"b": {"$ref": f"#/{key}/B"}}, "required": ["b"]},
+                  "B": {"type": "object", "properties": {"a": {"$ref": f"#/{key}/A"}}, "required": ["a"]}}}
+
+
+UNSATISFIABLE = {
+    "self": {"$ref": "#"},
+    "self-property": {"type": "object", "properties": {"me": {"$ref": "#"}}, "required": ["me"]},
+    "defs-cycle": _cycle("$defs"),
+    "definitions-cycle": _cycle("definitions"),
+    "root-ref-cycle": {"$ref": "#/$defs/A", "$defs": _cycle("$defs")["$defs"]},
+    "array-cycle": {"$defs": {"L": {"type": "array", "items": {"$ref": "#/$defs/L"}, "minItems": 1}},
+                    "$ref": "#/$defs/L"},
+    "anyOf-all-cyclic": {"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/B"}, {"type": "object", "properties": {
+        "x": {"$ref": "#/$defs/A"}}, "required": ["x"]}]}, "B": {"allOf": [{"$ref": "#/$defs/A"}]}},
+        "$ref": "#/$defs/A"},
+    "pointer-cycle": {"type": "object", "properties": {"p": {"type": "object", "properties": {
+        "q": {"$ref": "#/properties/p"}}, "required": ["q"]}}, "required": ["p"]},
+}
+# recursive schemas that do have finite values (a way out of the recursion): they must keep working
+SATISFIABLE = {
+    "tree": {"type": "object", "properties": {"v": {"type": "integer"},
+                                              "kids": {"type": "array", "items": {"$ref": "#"}}},
+             "required": ["v", "kids"]},
+    "list": {"$defs": {"Node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {
+        "anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}, "required": ["v", "next"]}}, "$ref": "#/$defs/Node"},
+    "optional-cycle": {**_cycle("$defs"), "required": []},  # {} and objects without "a"
+    "pydantic": {"$defs": {"Unit": {"enum": ["c", "f"], "type": "string"}}, "type": "object",
+                 "properties": {"u": {"$ref": "#/$defs/Unit"}}, "required": ["u"]},
+    "pydantic-v1": {"definitions": {"Unit": {"enum": ["c", "f"], "type": "string"}}, "type": "object",
+                    "properties": {"u": {"$ref": "#/definitions/Unit"}}, "required": ["u"]},
+}
+
+
+def _rf(schema):
+    return {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+
+
+@pytest.mark.parametrize("name", UNSATISFIABLE)
+def test_a_schema_no_value_satisfies_is_a_400_naming_response_format(open_api, name):
+    status, _, err = post(open_api, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": _rf(UNSATISFIABLE[name])})
+    assert status == 400 and err["error"]["param"] == "response_format", err
+    assert "satisf" in err["error"]["message"], err
+    status, _, err = post(open_api, "/v1/responses", {"input": "hi", "max_output_tokens": 4,
+                                                      "response_format": _rf(UNSATISFIABLE[name])})
+    assert status == 400 and err["error"]["param"] == "response_format", err
+
+
+@pytest.mark.parametrize("name", SATISFIABLE)
+def test_recursive_and_defs_schemas_that_have_values_are_served(open_api, name):
+    status, _, body = post(open_api, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "response_format": _rf(SATISFIABLE[name])})
+    assert status == 200, body
+    text = body["choices"][0]["message"]["content"]
+    assert text.startswith("{"), body
+    if name.startswith("pydantic"):
+        assert json.loads(text) in ({"u": "c"}, {"u": "f"})
+    status, _, body = post(open_api, "/v1/responses", {"input": "hi", "max_output_tokens": 24,
+                                                       "response_format": _rf(SATISFIABLE[name])})
+    assert status == 200 and body["output"][0]["content"][0]["text"].startswith("{"), body
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "g"}}, "auto"])
+def test_a_tool_schema_no_value_satisfies_is_a_400_naming_the_tool(open_api, monkeypatch, choice):
+    import localspec.server.app as A
+
+    monkeypatch.setattr(A, "template_text", lambda eng: "... <tool_call> ...")  # auto: a lazy grammar is built
+    ok = {"type": "function", "function": {"name": "f", "parameters": SATISFIABLE["pydantic"]}}
+    for name, schema in UNSATISFIABLE.items():
+        bad = {"type": "function", "function": {"name": "g", "parameters": schema}}
+        status, _, err = post(open_api, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tools": [ok, bad],
+            "tool_choice": choice})
+        assert status == 400 and err["error"]["param"] == "tools[1]", (name, err)
+
+
+def test_a_ring_of_definitions_is_refused_and_the_same_ring_with_a_way_out_is_accepted():
+    """A ring of definitions, each needing the next, is refused; the same ring with one way out is accepted. (The
+    check is a fixpoint over the definitions, not a search of the recursion.)"""
+    from localspec.server.grammar import grammar_of
+    from localspec.server.openai import APIError
+
+    n = 60
+    ring = {f"D{i}": {"type": "object", "properties": {"x": {"$ref": f"#/$defs/D{(i + 1) % n}"},
+                                                       "y": {"$ref": f"#/$defs/D{(i * 7 + 3) % n}"}},
+                      "required": ["x"]} for i in range(n)}
+    with pytest.raises(APIError) as e:
+        grammar_of(_rf({"$defs": ring, "$ref": "#/$defs/D0"}))
+    assert e.value.status == 400 and e.value.param == "response_format"
+    ring["D17"] = {"anyOf": [ring["D17"], {"type": "null"}]}
+    assert grammar_of(_rf({"$defs": ring, "$ref": "#/$defs/D0"}))
+
+
+@pytest.mark.parametrize("schema", [
+    {**_cycle("$defs"), "required": [], "additionalProperties": False},
+    {**UNSATISFIABLE["pointer-cycle"], "required": [], "additionalProperties": False},
+])
+def test_an_optional_part_no_value_satisfies_is_cut_off(schema):
+    """A property whose value could never end is left out of the grammar: after "{" only "}" may follow (the
+    answer cannot walk into the endless part, where it would be cut off unfinished)."""
+    import llguidance
+
+    from localspec.server.grammar import _byte_tokenizer, grammar_of
+
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar_of(_rf(schema)), log_level=0)
+    assert m.consume_tokens([ord("{")])
+    bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+    assert [bytes([int(b)]) for b in bits.nonzero()[0] if b < 256] == [b"}"]

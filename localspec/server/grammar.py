@@ -3,7 +3,8 @@ speculation kept on. The engine masks each verify row with the grammar state aft
 the matcher back after the look-ahead (GenConfig.constraint; core/engine.py), so the output at temperature 0 is
 the same with and without speculation.
 
-A schema llguidance cannot compile is a 400 naming what it refused, checked before the request queues.
+A schema llguidance cannot compile, or one no finite JSON value satisfies, is a 400 naming the field and what was
+refused, checked before the request queues.
 """
 
 from __future__ import annotations
@@ -44,26 +45,46 @@ def grammar_of(response_format) -> str | None:
     else:
         raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
                        param="response_format")
-    return schema_grammar(schema, "response_format", "response_format")
+    return usable_schema(schema, "response_format", "response_format")[1]
 
 
-def schema_grammar(schema, where: str, param: str) -> str:
-    """The llguidance grammar of a JSON Schema; a 400 naming `param` (`where`: the field, for the message) when
-    llguidance cannot compile it."""
+def usable_schema(schema, where: str, param: str) -> tuple[dict, str]:
+    """(the schema to enforce, its llguidance grammar) for a request's JSON Schema; a 400 naming `param` (`where`:
+    the field, for the message) when llguidance cannot compile it or no value satisfies it. Where the schema's
+    references loop, the schema to enforce has the parts no finite value satisfies cut off (set to false):
+    llguidance builds a grammar rule per reference and would let the answer walk into such a part, where it can
+    never end."""
     import llguidance
 
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_STYLE)
-    except ValueError as exc:
-        raise APIError(400, f"{where}: the schema is not valid: {exc}", param=param) from None
-    problem = grammar_problem(grammar)
-    if problem is not None:
-        raise APIError(400, f"{where}: unsupported JSON Schema: {problem}", param=param, code="unsupported_schema")
-    return grammar
+    def compile_(s) -> str:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(s, defaults=JSON_STYLE)
+        except ValueError as exc:
+            raise APIError(400, f"{where}: the schema is not valid: {exc}", param=param) from None
+        problem = grammar_problem(grammar)
+        if problem is not None:
+            raise APIError(400, f"{where}: unsupported JSON Schema: {problem}", param=param,
+                           code="unsupported_schema")
+        return grammar
+
+    grammar = compile_(schema)  # first: llguidance refuses a schema nested too deeply for the walks below
+    cut, endless = _cut_endless(schema)
+    if endless is not None:
+        raise APIError(400, f"{where}: the JSON Schema is unsatisfiable: no finite JSON value satisfies it (each "
+                            f"value needs another inside it through {endless!r})", param=param,
+                       code="unsupported_schema")
+    if cut is not schema:
+        try:
+            return cut, compile_(cut)
+        except APIError:
+            pass  # a pointer that ran through a part cut off: the schema as it came
+    return schema, grammar
 
 
 def grammar_problem(grammar: str) -> str | None:
-    """Why llguidance refuses `grammar` (one line), or None."""
+    """Why llguidance refuses `grammar` (one line), or None. Besides its own checks, a grammar whose matcher
+    allows nothing from the start (llguidance proves no text can follow, e.g. a schema that is only a
+    reference to itself) is refused: a request under it would end with an empty answer."""
     import llguidance
 
     try:
@@ -72,7 +93,37 @@ def grammar_problem(grammar: str) -> str | None:
         is_err, messages = True, [exc]
     if is_err:
         return " ".join(str(messages[0]).split()) if messages else "not supported"
-    return None
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    first = m.compute_bitmask()
+    if m.is_error():
+        return "unsatisfiable: the grammar allows no output: " + " ".join(m.get_error().split("<state>")[0].split())
+    if m.is_accepting() or any(first):
+        return None
+    return "unsatisfiable: the grammar allows no output"
+
+
+class _Bytes:
+    """A tokenizer of the 256 bytes (and an end token): a grammar's first byte is checked on it, the same for
+    every model."""
+    tokens = [bytes([i]) for i in range(256)] + [b"\xff<eos>"]
+    eos_token_id, bos_token_id, special_token_ids = 256, None, [256]
+
+    def __call__(self, data: bytes) -> list[int]:
+        return list(data)
+
+
+def _byte_tokenizer():
+    import llguidance
+    from llguidance._tokenizer import TokenizerWrapper
+
+    global _BYTES
+    with _LOCK:
+        if _BYTES is None:
+            _BYTES = llguidance.LLTokenizer(TokenizerWrapper(_Bytes()), n_vocab=257)
+        return _BYTES
+
+
+_BYTES = None
 
 
 # keywords whose values are JSON data, not schemas (a "$ref" key in a `const` is data); and keywords that map names
@@ -110,6 +161,118 @@ def rebase(schema, at: str):
         return {**sub, "$ref": "#" + at + ref[1:]} if ref == "#" or ref.startswith("#/") else sub
 
     return map_refs(schema, move)
+
+
+def _pointer(ref: str) -> tuple[str, ...] | None:
+    """The keys a local JSON pointer reference ("#", "#/$defs/A") follows; None for any other reference (an
+    anchor, another document)."""
+    from urllib.parse import unquote
+
+    if ref == "#":
+        return ()
+    if not ref.startswith("#/"):
+        return None
+    return tuple(unquote(k).replace("~1", "/").replace("~0", "~") for k in ref[2:].split("/"))
+
+
+def _at(schema, path: tuple[str, ...]):
+    node = schema
+    for k in path:
+        if isinstance(node, list) and k.isdigit() and int(k) < len(node):
+            node = node[int(k)]
+        elif isinstance(node, dict) and k in node:
+            node = node[k]
+        else:
+            return None
+    return node if isinstance(node, (dict, bool)) else None
+
+
+def _nested_id(node, top: bool = True) -> bool:
+    """Whether a subschema below the top sets its own `$id` (references inside it resolve against it)."""
+    if isinstance(node, list):
+        return any(_nested_id(x, False) for x in node)
+    if not isinstance(node, dict):
+        return False
+    if "$id" in node and not top:
+        return True
+    return any(_nested_id(list(v.values()) if k in _NAMED and isinstance(v, dict) else v, False)
+               for k, v in node.items() if k not in _DATA)
+
+
+def _cut_endless(schema) -> tuple[dict, str | None]:
+    """(schema, None) where no local reference loops. Where references loop, which parts have a finite value is
+    found as a least fixpoint (a grammar's productive rules): a part is satisfiable when llguidance accepts it with
+    each reference inside it read as "any value" if its target is already known satisfiable and as `false`
+    otherwise; repeated until nothing changes. Then (the schema with each reference to a part that is not
+    satisfiable set to `false`, None), or (schema, the reference) when the schema itself is not satisfiable.
+    References that are no local pointers, or a nested `$id`, leave the schema to llguidance as it is."""
+    import graphlib
+
+    import llguidance
+
+    if _nested_id(schema):
+        return schema, None
+    doc = {k: v for k, v in schema.items() if k != "$id"}  # the top's own `$id` is the document's: pointers hold
+    parts = {(): doc}  # the schema and each place a reference points at, by path
+    needs: dict[tuple, set] = {}  # part -> the places its references point at
+    names: dict[tuple, str] = {}  # place -> a reference that names it, for the message
+    todo = [()]
+    while todo:
+        path = todo.pop()
+        found: set[tuple] = set()
+
+        def note(sub):
+            target = _pointer(sub["$ref"])
+            found.add(target)
+            names.setdefault(target, sub["$ref"])
+            return sub
+
+        map_refs(parts[path], note)
+        if None in found:
+            return schema, None
+        needs[path] = found
+        for t in found - parts.keys():
+            part = _at(doc, t)
+            if part is None:
+                return schema, None
+            parts[t] = part
+            todo.append(t)
+    try:
+        graphlib.TopologicalSorter(needs).prepare()
+        return schema, None  # no loop: llguidance reports an unsatisfiable definition itself
+    except graphlib.CycleError:
+        pass
+
+    root_options = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+
+    def read_as(good):
+        return lambda sub: {k: v for k, v in sub.items() if k != "$ref"} if _pointer(sub["$ref"]) in good else False
+
+    def satisfiable(part) -> bool:
+        if isinstance(part, bool):
+            return part
+        try:
+            g = llguidance.LLMatcher.grammar_from_json_schema(part, defaults={**JSON_STYLE, **root_options})
+            return not llguidance.LLMatcher.validate_grammar_with_warnings(g)[0]
+        except ValueError:
+            return False
+
+    users: dict[tuple, set] = {p: set() for p in parts}
+    for p, ts in needs.items():
+        for t in ts:
+            users[t].add(p)
+    good: set[tuple] = set()
+    queue = list(parts)
+    while queue:
+        p = queue.pop()
+        if p not in good and satisfiable(map_refs(parts[p], read_as(good))):
+            good.add(p)
+            queue.extend(users[p] - good)
+    if () not in good:
+        bad = sorted(t for t in needs[()] if t not in good) or [()]
+        return schema, names.get(bad[0], "#")
+    cut = map_refs(doc, lambda sub: sub if _pointer(sub["$ref"]) in good else False)
+    return ({**cut, "$id": schema["$id"]} if "$id" in schema else cut), None
 
 
 class _Vocab:
@@ -275,3 +438,4 @@ class Lazy:
         del self.tokens[keep:]
         del self.cands[keep + 1:]
         return True
+

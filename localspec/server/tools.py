@@ -299,7 +299,7 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
         return None
     import llguidance
 
-    from localspec.server.grammar import JSON_STYLE, grammar_problem, rebase, schema_grammar
+    from localspec.server.grammar import JSON_STYLE, grammar_problem, rebase, usable_schema
 
     chosen = list(enumerate(tools))
     if isinstance(tool_choice, dict):
@@ -310,8 +310,7 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
     outer = "/items" if fmt == "mistral" else ""  # where the call object sits in the format's schema
     calls = []
     for n, (i, t) in enumerate(chosen):
-        params = _closed(t)
-        schema_grammar(params, f"tools[{i}].function.parameters", f"tools[{i}]")  # 400 naming this tool
+        params, _ = usable_schema(_closed(t), f"tools[{i}].function.parameters", f"tools[{i}]")  # 400 naming it
         at = outer + (f"/anyOf/{n}" if len(chosen) > 1 else "") + f"/properties/{key}"
         calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                                        key: rebase(params, at)},
