@@ -118,6 +118,23 @@ def resolve_settings(flags: dict[str, Any] | None = None, overrides: dict[str, A
     return out
 
 
+def check_target(path: Path) -> None:
+    """A draft head (EAGLE-3, DFlash) or an MTP-only file given as the target (-m) is refused before anything
+    loads: llama.cpp would load some of them and generate garbage. A header that cannot be read is left to the
+    load, which says why."""
+    from localspec.errors import ModelLoadError
+    from localspec.models.gguf_header import HEAD_NAMES, not_a_target, read_file_metadata
+
+    try:
+        what = not_a_target(read_file_metadata(path, tokens=False))
+    except ModelLoadError:
+        return
+    if what is not None:
+        hint = (f": give it with -d beside the model it drafts for (-m MODEL.gguf -d {path.name})"
+                if what in HEAD_NAMES.values() else ": it cannot be the target (-m)")
+        raise UsageError(f"{path.name} is {what}{hint}")
+
+
 def validate(v: dict[str, Any]) -> None:
     """The checks every front end applies before anything is loaded (run, chat and its slash commands, bench). The
     generation settings (method, k, sampling, lookup ranges) are checked by the engine's own GenConfig, once."""
@@ -244,6 +261,9 @@ class Session:
         v = self.values()
         validate(v)
         rpc.check_settings(v.get("rpc"), v.get("tensor_split"))
+        local = Path(v["model"]).expanduser() if v.get("model") else None
+        if local is not None and local.is_file():  # a pair or hub name is checked once its file is at hand
+            check_target(local)
 
     def gen_config(self, stop=None, **changes):
         v = {**self.values(), **changes}
@@ -290,6 +310,7 @@ class Session:
                     raise UsageError(f"{msg} (nothing was downloaded)")
                 self.dropped_draft, dspec = msg, None
         target = download.ensure(tspec, quiet=self.quiet)
+        check_target(target)
         draft_path = download.ensure(dspec, quiet=self.quiet) if dspec is not None else None
         return target, draft_path, pair
 

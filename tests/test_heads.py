@@ -609,3 +609,45 @@ def test_a_tune_result_without_a_draft_never_drops_an_explicit_head(tmp_path, mo
         sess.close()
     s = Session({"model": str(bigram)}).settings()  # without a draft, the tune result applies
     assert s["method"].source.startswith("tune")
+
+
+# ----------------------------------------------------------------- a draft head is never the target
+@pytest.fixture(scope="module")
+def head_only_files(heads_dir, agreeing_head) -> dict:
+    return {"eagle3": agreeing_head, "dflash": write_dflash(heads_dir / "dflash-as-target.gguf", 3, agree_with=7),
+            "mtp-only": write_glm4moe_mtp(heads_dir / "mtp-only.gguf", 7, n_trunk=0)}
+
+
+@pytest.mark.parametrize("which,words", [("eagle3", "an EAGLE-3 draft head"), ("dflash", "a DFlash draft head"),
+                                         ("mtp-only", "a file of MTP layers only")])
+@pytest.mark.parametrize("cmd", [["run", "-n", "4", "--raw", "hi"], ["chat"], ["serve", "--port", "0"],
+                                 ["bench", "--limit", "1", "-n", "4", "--categories", "chat"],
+                                 ["tune", "--limit", "1", "-n", "4", "--k", "1"]])
+def test_a_draft_head_as_the_target_is_one_error_line(tmp_path, head_only_files, which, words, cmd):
+    """`run -m dflash-head.gguf` generated garbage (exit 0); an EAGLE-3 head failed only when llama.cpp could not
+    make it a context. Every front end refuses a head file as the target, before loading anything."""
+    f = head_only_files[which]
+    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg"), "LOCALSPEC_CACHE_DIR": str(tmp_path / "cache"),
+           "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "localspec", cmd[0], "-m", str(f), *cmd[1:]], capture_output=True,
+                       text=True, env=env, timeout=120, stdin=subprocess.DEVNULL)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: {f.name} is {words}") and "-m" in lines[0], lines[0]
+    assert r.stdout == ""
+
+
+def test_a_pair_whose_target_is_a_head_is_refused_at_load(tmp_path, monkeypatch, head_only_files):
+    """The refusal holds for a target named by a pair (resolved to its file at load), in the session every front end
+    (run, chat, serve, bench) loads through."""
+    from localspec.errors import UsageError
+    from localspec.models import registry
+    from localspec.models.spec import FileSpec
+    from localspec.session import Session
+
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    registry.add("head-as-target", FileSpec(path=str(head_only_files["dflash"])), None, k=3, ctx=512)
+    sess = Session({"model": "head-as-target"}, quiet=True)
+    with pytest.raises(UsageError, match="a DFlash draft head"):
+        sess.load()
+    assert sess.engine is None

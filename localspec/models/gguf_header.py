@@ -72,9 +72,9 @@ class _Reader:
 KEEP_ARRAYS = {"tokenizer.ggml.tokens"}
 
 
-def read_metadata(fh: BinaryIO) -> dict:
+def read_metadata(fh: BinaryIO, tokens: bool = True) -> dict:
     """Metadata key -> value (strings decoded; arrays other than the token list and a draft head's target layers
-    replaced by their length)."""
+    replaced by their length; tokens=False: the token list too, for a quick look at a model's kind)."""
     r = _Reader(fh)
     if r.read(4) != b"GGUF":
         raise ModelLoadError("not a GGUF file (bad magic)")
@@ -87,18 +87,18 @@ def read_metadata(fh: BinaryIO) -> dict:
     for _ in range(n_kv):
         key = r.string().decode("utf-8", "replace")
         typ = r.unpack("<I")
-        val = r.value(typ, keep_arrays=key in KEEP_ARRAYS or key.endswith(".target_layers"))  # a head's few ids
+        val = r.value(typ, keep_arrays=(tokens and key in KEEP_ARRAYS) or key.endswith(".target_layers"))  # a head's few ids
         if isinstance(val, bytes):
             val = val.decode("utf-8", "replace") if key not in KEEP_ARRAYS else val
         meta[key] = val
     return meta
 
 
-def read_file_metadata(path) -> dict:
+def read_file_metadata(path, tokens: bool = True) -> dict:
     """read_metadata of a local file; any failure is a ModelLoadError that names the file."""
     try:
         with open(path, "rb") as fh:
-            return read_metadata(fh)
+            return read_metadata(fh, tokens)
     except OSError as exc:
         raise ModelLoadError(f"cannot read {path}: {exc.strerror}") from None
     except ModelLoadError as exc:
@@ -144,6 +144,20 @@ def summary(meta: dict) -> dict:
 
 
 HEAD_KINDS = ("eagle3", "dflash")
+HEAD_NAMES = {"eagle3": "an EAGLE-3 draft head", "dflash": "a DFlash draft head"}  # each with its article
+
+
+def not_a_target(meta: dict) -> str | None:
+    """What this GGUF is when it cannot be the model that generates (a draft head, or a file whose every layer is
+    an MTP layer: it has no trunk to run), in words with its article; None for a model."""
+    kind = drafter_kind(meta)
+    if kind in HEAD_NAMES:
+        return HEAD_NAMES[kind]
+    arch = meta.get("general.architecture", "")
+    n_layer = meta.get(f"{arch}.block_count")
+    if kind == "mtp" and isinstance(n_layer, int) and n_layer <= nextn_layers(meta):
+        return "a file of MTP layers only, with no model to run them on"
+    return None
 
 
 def nextn_layers(meta: dict) -> int:
