@@ -938,3 +938,28 @@ def test_a_prompt_refused_while_an_answer_streams_stays_in_the_box(tmp_path):
             assert [m["content"] for m in app.messages if m["role"] == "user"] == ["first"]
 
     asyncio.run(go())
+
+
+def test_esc_in_the_command_palette_closes_it_and_leaves_a_waiting_prompt_alone(tmp_path):
+    """The app's Esc (stop) came before the palette's own Esc: the palette stayed open, and a prompt waiting for
+    the models would have been taken back instead."""
+    import threading
+
+    from textual.command import CommandPalette
+
+    gate = threading.Event()
+    app = create_app(settings(tmp_path / "scripted.gguf"), engine_loader=gated_loader(gate))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await send(pilot, "hello there")
+            await pilot.pause(0.1)
+            await pilot.press("ctrl+p")
+            await until(pilot, lambda: isinstance(app.screen, CommandPalette))
+            await pilot.press("escape")
+            await until(pilot, lambda: not isinstance(app.screen, CommandPalette))
+            assert app.waiting is not None and app.waiting[0] == "hello there"
+            gate.set()
+            await until(pilot, lambda: len(app.messages) == 2)
+
+    asyncio.run(go())

@@ -366,6 +366,13 @@ class LocalspecApp(ChatHistory, App):
             self.warmed_tokens = msg.tokens
 
     # ------------------------------------------------------------------ actions
+    def check_action(self, action: str, parameters) -> bool | None:
+        # Esc / Ctrl+C (a priority binding, seen before any screen's) stop on the chat screen and answer No in a
+        # dialog; on another screen (the command palette) they are that screen's own keys: Esc closes it.
+        if action == "stop" and len(self.screen_stack) > 1 and not isinstance(self.screen, ConfirmScreen):
+            return False
+        return True
+
     def action_stop(self) -> None:
         if isinstance(self.screen, ConfirmScreen):  # the app's Esc binding comes first: it answers No there
             self.screen.action_answer_no()
