@@ -273,3 +273,12 @@ def test_localspec_debug_restores_llama_cpp_backtraces(value, debug):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ([str(debug), "None"] if debug else [str(debug), "1"])
+
+
+@pytest.mark.parametrize("name", ["x.txt", "chart.json", "x.PNG.bak"])
+def test_bench_plot_with_an_unknown_extension_fails_before_the_run(target_path, tmp_path, name):
+    """`bench --plot x.txt` ran the whole benchmark, then matplotlib refused the format."""
+    r = cli([*BENCH, "-m", str(target_path), "--plot", str(tmp_path / name)], timeout=120)
+    line = one_error_line(r, 2)
+    assert "--plot" in line and name.rsplit(".", 1)[1] in line and ".png" in line and r.stdout == b""
+    assert not (tmp_path / name).exists()

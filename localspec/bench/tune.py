@@ -15,6 +15,11 @@ from localspec.store.tomlfile import config_file, update_file
 
 Slot = Callable[[], ContextManager]
 
+# the formats matplotlib's Agg backend writes (FigureCanvasBase.get_supported_filetypes), checked before a
+# benchmark: matplotlib itself refuses another only when the chart is saved, after the whole run
+PLOT_FORMATS = frozenset({"eps", "jpeg", "jpg", "pdf", "pgf", "png", "ps", "raw", "rgba", "svg", "svgz", "tif", "tiff",
+                          "webp"})
+
 
 class Interrupted(KeyboardInterrupt):
     """Ctrl-C during a benchmark: what was measured so far (`rows`, None when nothing), of how many runs."""
@@ -39,6 +44,9 @@ def check_outputs(json_out: Path | None = None, csv_out: Path | None = None, plo
             raise UsageError(f"{seen[where]} and {flag} both write {path}: give each its own file")
         seen[where] = flag
     if plot is not None:
+        kind = Path(plot).suffix.lower().lstrip(".")
+        if kind and kind not in PLOT_FORMATS:  # no suffix: matplotlib writes a PNG
+            raise UsageError(f"--plot {plot}: matplotlib cannot write .{kind} files; name a .png (or .svg, .pdf) file")
         try:
             import matplotlib  # noqa: F401
         except ImportError:
