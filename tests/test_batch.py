@@ -330,3 +330,45 @@ def test_a_slow_prefill_takes_smaller_chunks_beside_running_requests(engine, mon
     beside = [p for (p, g), nxt in zip(chunks, chunks[1:] + [(0, 0)]) if p and (g or nxt[1])]
     assert beside and max(beside) == 16  # beside the running request: the floor (PREFILL_MIN), not 64
     assert results[0].tokens == seq[0].tokens and r2[0].tokens == seq[1].tokens
+
+
+def test_the_probe_is_cached_per_model_file_and_llama_cpp_build(target_path, tmp_path, monkeypatch):
+    """probe(cache=True) (what the server runs before it says ready) decodes once per model file, build and batch
+    settings; a changed model file or another build probes again, and doctor's list of probes is not confused."""
+    import os
+    import shutil
+
+    from localspec.core import exactness as X
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    model = tmp_path / "m.gguf"
+    shutil.copy(target_path, model)
+    probes = []
+    real = BatchEngine._probe
+    monkeypatch.setattr(BatchEngine, "_probe", lambda self: probes.append(1) or real(self))
+
+    def probed(n_slots=4):
+        e = Engine.load(model, n_ctx=1024)
+        b = BatchEngine(e, n_slots)
+        try:
+            cached = b.probe_cached()
+            res = b.probe_result(cache=True)
+            return cached, (res.exact, res.why, res.shapes, res.beside_prompt, res.blanket)
+        finally:
+            b.close()
+            e.close()
+
+    cached, first = probed()
+    assert not cached and len(probes) == 1
+    cached, again = probed()
+    assert cached and again == first and len(probes) == 1  # from the cache, the same findings
+    assert not probed(3)[0] and len(probes) == 2  # other batch settings: their own verdict
+    build = X._build
+    monkeypatch.setattr(X, "_build", lambda: build() + "-rebuilt")
+    assert not probed()[0] and len(probes) == 3
+    monkeypatch.setattr(X, "_build", build)
+    st = os.stat(model)
+    os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the model file replaced
+    assert not probed()[0] and len(probes) == 4
+    assert probed()[0] and len(probes) == 4
+    assert all("exact" not in p for p in X.cached_probes())

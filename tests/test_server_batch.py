@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import signal
 import threading
 
 import pytest
@@ -166,3 +167,40 @@ def test_serve_kv_layout_is_checked_before_anything_loads(target_path, tmp_path)
             timeout=60)
     err = r.stderr.decode()
     assert r.returncode == 2 and err.startswith("error: ") and "--kv-layout" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("parallel,method", [("4", "lookup"), ("1", "auto")])
+def test_serve_probes_and_calibrates_before_it_says_ready_and_a_second_start_reads_the_cache(target_path, tmp_path,
+                                                                                            parallel, method):
+    """The batch exactness probe and the verify-cost calibration ran after the ready line, on every start: the
+    first request waited for them (seconds of decodes, in neither the log nor its ttft_s) while /health said ok.
+    They run before the ready line, cached per model and build: a second start measures nothing. (One request at a
+    time, the calibration is what method auto's controller starts from.)"""
+    from test_server import _start
+
+    env = _env(tmp_path / "cfg") | {"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}
+    batched = parallel != "1"
+    layouts = []
+    for start in (1, 2):
+        p, url, lines = _start(["-m", str(target_path), "--port", "0", "--parallel", parallel, "--method", method,
+                                "-c", str(CTX)], env)
+        try:
+            said = "".join(lines)
+            # decided before the ready line, not after it
+            conn = http.client.HTTPConnection(*url.split("//")[1].split(":"), timeout=60)
+            conn.request("GET", "/health")
+            h = json.loads(conn.getresponse().read())
+            conn.close()
+            assert h["kv_layout"] in (("split", "unified") if batched else ("single",)), h
+            layouts.append(h["kv_layout"])
+            if batched:
+                assert f"--parallel {parallel}: " + ("one unified KV cache" if h["kv_layout"] == "unified"
+                                                     else "separate KV") in said
+            measured = ("checking whether requests decoded together stay bit-exact" in said,
+                        "measuring what a verify batch costs" in said)
+            assert measured == ((batched, True) if start == 1 else (False, False)), said
+        finally:
+            p.send_signal(signal.SIGTERM)
+            _, err = p.communicate(timeout=60)
+        assert p.returncode == 0, err.decode()
+    assert layouts[0] == layouts[1]

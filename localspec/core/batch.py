@@ -74,6 +74,7 @@ PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compare
 # round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
 MAX_ROWS = 65  # a verify's rows at most (k <= 64)
 SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
+PROBE_REV = 1  # the probe's revision in its cache key: raised when _probe checks something new
 
 
 @dataclass
@@ -181,11 +182,12 @@ class BatchEngine:
             return batch_draft_reason(self.engine)
         return ""
 
-    def probe(self) -> tuple[bool, str]:
+    def probe(self, cache: bool = False) -> tuple[bool, str]:
         """(exact, why): whether a sequence's logits stay bit-identical when other sequences' rows share its
         forward passes, and one-token decoding here equals the target's own context. Once per BatchEngine; clears
-        the slots' caches and the target's single-sequence cache (call it before the first request)."""
-        return self.probe_result().verdict
+        the slots' caches and the target's single-sequence cache (call it before the first request). cache: see
+        probe_result."""
+        return self.probe_result(cache).verdict
 
     @property
     def layout(self) -> str:
@@ -194,13 +196,57 @@ class BatchEngine:
             return "auto"
         return "unified" if self.ms.unified else "split"
 
-    def probe_result(self) -> ProbeResult:
-        """The probe's findings: the verdict, and per pass shape (requests x rows each) whether it is bit-exact."""
+    def probe_result(self, cache: bool = False) -> ProbeResult:
+        """The probe's findings: the verdict, and per pass shape (requests x rows each) whether it is bit-exact.
+        cache: the verdict is kept in the cache dir per model file, llama.cpp build and batch settings
+        (_probe_key), so a server started again answers its first request without seconds of probe decodes."""
         if self._exact is None:
-            res = self._probe()
+            res = self._cached_probe() if cache else self._probe()
             res = res if isinstance(res, ProbeResult) else ProbeResult(*res)
             self._exact = self._choose_layout(res) if self._auto else res
         return self._exact
+
+    def _probe_key(self) -> str:
+        """What decides the probe's verdict besides the model and the build: the slots, the rows a bit request
+        verifies, the pass size, the cache layout and size, and the probe's revision (raised when _probe checks
+        more, so a verdict of a probe that checked less is not trusted)."""
+        from localspec.core import exactness as X
+
+        return X.batch_probe_key(self.target, f"rev={PROBE_REV}", f"slots={self.n_slots}", f"rows={self.bit_rows()}",
+                                 f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}")
+
+    def probe_cached(self) -> bool:
+        """Whether probe(cache=True) is answered from the cache (or was run already): no probe decodes."""
+        from localspec.core import exactness as X
+
+        return self._exact is not None or X.cached_batch_probe(self._probe_key()) is not None
+
+    def _cached_probe(self) -> ProbeResult:
+        from localspec.core import exactness as X
+
+        key = self._probe_key()
+        entry = X.cached_batch_probe(key)
+        if entry is not None:
+            try:
+                return ProbeResult(entry["exact"], str(entry.get("why", "")),
+                                   {(int(s), int(r)): bool(ok) for s, r, ok in entry.get("shapes", [])},
+                                   {int(s): bool(ok) for s, ok in entry.get("beside_prompt", [])},
+                                   bool(entry.get("blanket", True)))
+            except (TypeError, ValueError):  # an entry edited by hand: probed again and replaced
+                pass
+        res = self._probe()
+        res = res if isinstance(res, ProbeResult) else ProbeResult(*res)
+        X.store_batch_probe(key, {
+            "exact": res.exact, "why": res.why, "blanket": res.blanket,
+            "shapes": [[s, r, ok] for (s, r), ok in sorted(res.shapes.items())],
+            "beside_prompt": [[s, ok] for s, ok in sorted(res.beside_prompt.items())],
+            "model": str(self.target.path.resolve()), "slots": self.n_slots})
+        return res
+
+    def calibrate(self) -> None:
+        """The target's verify-cost curve that every step's pricing reads (_price_rows): measured once per model
+        and build (cached), here rather than in the first request's first step."""
+        self._calibrated()
 
     def _choose_layout(self, res: ProbeResult) -> ProbeResult:
         """layout auto, after the probe over separate streams: one unified KV cache where a full batch (every slot

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from localspec.store.cachefile import read_json, write_json
+from localspec.store.cachefile import read_json, update_json, write_json
 
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
 LONG_CONTEXT = 600  # past 512 KV cells, where llama.cpp's CPU attention changes strategy
@@ -50,11 +50,22 @@ def _long_ok(model, upto: int) -> bool:
     return model.n_ctx >= LONG_CONTEXT + upto + 8
 
 
+def _build() -> str:
+    """The llama.cpp build and the CPU it runs on: its version, what it was compiled with (llama_print_system_info's
+    features and backends) and the CPU's features. A rebuild with other CMAKE_ARGS (AVX-512 off, CUDA on) keeps the
+    version, and a cache dir shared between machines (a network home) keeps the file, but either changes the
+    kernels, and so what the probes measure. (Not the devices' list: asking an RPC device is a network call.)"""
+    import hashlib
+
+    from localspec.llama.sysinfo import cpu_flags, llama_cpp_version, system_info
+    what = [system_info(), *sorted(cpu_flags())]
+    return f"{llama_cpp_version()}+{hashlib.sha256(chr(10).join(what).encode()).hexdigest()[:12]}"
+
+
 def _key(model, upto: int) -> str:
     st = model.path.stat()
-    from localspec.llama.sysinfo import llama_cpp_version
     parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
-             llama_cpp_version(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
+             _build(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
              _long_ok(model, upto), upto]
     if getattr(model, "rpc_servers", None):  # the workers compute the layers: their kernels decide
         parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]
@@ -154,7 +165,7 @@ def cached_probes() -> list[dict]:
     """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size."""
     out = []
     for key, entry in read_json(CACHE_FILE).items():
-        if isinstance(entry, dict) and "batch" in entry and not key.startswith(("cost|", COST_KEY)):
+        if isinstance(entry, dict) and "batch" in entry and not key.startswith(("cost|", COST_KEY, BATCH_KEY)):
             out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()}})
     return out
 
@@ -224,6 +235,13 @@ def verify_costs(model, upto: int) -> dict[int, float]:
     return ratio
 
 
+def verify_costs_cached(model, upto: int) -> bool:
+    """Whether verify_costs(model, upto) is answered from the cache (no measuring)."""
+    entry = read_json(CACHE_FILE).get(COST_KEY + _key(model, 0))
+    return isinstance(entry, dict) and isinstance(entry.get("ratio"), dict) and \
+        len(entry["ratio"]) >= max(upto, COST_MIN_UPTO)
+
+
 def cached_costs() -> list[dict]:
     """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b."""
     out = []
@@ -232,3 +250,23 @@ def cached_costs() -> list[dict]:
             out.append({"model": entry.get("model"), "threads": entry.get("threads"), "gpu_layers": entry.get("gpu_layers"),
                         "ratio": {int(b): float(v) for b, v in entry["ratio"].items()}})
     return out
+
+
+# ------------------------------------------------------------------ the batch exactness probe's verdicts
+BATCH_KEY = "batch|"  # core/batch.py's probe of several requests in one pass, beside the single-sequence probes
+
+
+def batch_probe_key(model, *settings) -> str:
+    """The cache key of a batch probe: the model file, the llama.cpp build and the model's settings (as the
+    single-sequence probe's key), and the batch's own settings that decide the verdict (slots, rows, layout)."""
+    return BATCH_KEY + _key(model, 0) + "|" + "|".join(str(x) for x in settings)
+
+
+def cached_batch_probe(key: str) -> dict | None:
+    entry = read_json(CACHE_FILE).get(key)
+    return entry if isinstance(entry, dict) and isinstance(entry.get("exact"), bool) else None
+
+
+def store_batch_probe(key: str, entry: dict) -> None:
+    """Add one verdict (under the memo's lock: another process's entries are kept)."""
+    update_json(CACHE_FILE, lambda db: db.__setitem__(key, entry))

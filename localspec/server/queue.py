@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import os
 import queue
 import threading
 import time
@@ -71,6 +72,12 @@ class Worker:
                 self.parallel = parallel
             except UsageError as exc:  # a recurrent/hybrid target: one at a time
                 log(f"warning: --parallel {parallel} ignored: {exc}")
+        try:
+            self._prepare(session, log)
+        except BaseException:  # Ctrl-C while it probes: the batch's context goes before the session frees the model
+            if self.batch is not None:
+                self.batch.close()
+            raise
         self.running: list[Job] = []  # jobs in the batch's slots
         self.session = session
         self.queue_size = queue_size
@@ -87,6 +94,46 @@ class Worker:
         self._thread = threading.Thread(target=self._run if self.batch is None else self._run_batched,
                                         name="localspec-serve", daemon=True)
         self._thread.start()
+
+    def _prepare(self, session, log: Callable[[str], None]) -> None:
+        """The one-time measurements a first request would otherwise wait for, done before the server says it is
+        ready: the batch exactness probe (--parallel N > 1; it clears the caches and --kv-layout auto chooses
+        there) and the verify-cost curve the speculation is priced on. Both are cached per model file and llama.cpp
+        build, so only a first start measures, and says so."""
+        from localspec.core import exactness as X
+
+        engine, batch = session.engine, self.batch
+        if batch is not None:
+            try:
+                if not batch.probe_cached():
+                    log(f"localspec serve: --parallel {batch.n_slots}: checking whether requests decoded together "
+                        "stay bit-exact here (once per model and llama.cpp build)")
+                batch.probe(cache=True)
+                if batch.layout_why:
+                    log(f"localspec serve: --parallel {batch.n_slots}: {batch.layout_why}")
+            except Exception:  # pragma: no cover - the first add() probes again and reports the error to its client
+                log("localspec serve: the batch exactness probe failed:\n" + traceback.format_exc().rstrip())
+        # what a verify of b rows costs: every batched step prices its rows on it; one request at a time, the
+        # adaptive controller (method auto) starts from it
+        try:
+            cfg = session.gen_config()
+            method = engine.resolve_method(cfg)
+        except LocalspecError:
+            return
+        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
+        upto = 2 if batch is not None else cfg.k + 1
+        if (batch is None and (method == "none" or cfg.k <= 0 or not adaptive)) or \
+                os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
+            return
+        if not X.verify_costs_cached(engine.target, upto):
+            log("localspec serve: measuring what a verify batch costs here (once per model and llama.cpp build)")
+        try:
+            if batch is not None:
+                batch.calibrate()
+            else:
+                engine.verify_costs(upto)
+        except LocalspecError as exc:  # a request measures again and reports it
+            log(f"warning: the verify-cost measurement failed: {exc}")
 
     def submit(self, job: Job) -> None:
         with self._lock:
@@ -174,12 +221,6 @@ class Worker:
     # ------------------------------------------------------------ parallel > 1
     def _run_batched(self) -> None:
         batch = self.batch
-        try:
-            batch.probe()  # once, before the first request (it clears the caches; --kv-layout auto chooses here)
-            if batch.layout_why:
-                self.log(f"localspec serve: --parallel {batch.n_slots}: {batch.layout_why}")
-        except Exception:  # pragma: no cover - the first add() probes again and reports the error to its client
-            self.log("localspec serve: the batch exactness probe failed:\n" + traceback.format_exc().rstrip())
         stopping = False
         with contextlib.ExitStack() as slot:
             holding = False  # the machine-wide generation slot (session.generation_slot), while anything runs
