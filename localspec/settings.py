@@ -68,7 +68,7 @@ def coerce(key: str, value: Any, source: str) -> Any:
             _check(key, str(value), source)
         return str(value)
     except (TypeError, ValueError):
-        kind = "true or false" if typ is bool else f"a {typ.__name__}"
+        kind = {bool: "true or false", int: "a whole number", float: "a number"}.get(typ, "text")
         raise UsageError(f"{source}: {key} must be {kind}, got {value!r}") from None
 
 

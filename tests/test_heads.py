@@ -651,3 +651,30 @@ def test_a_pair_whose_target_is_a_head_is_refused_at_load(tmp_path, monkeypatch,
     with pytest.raises(UsageError, match="a DFlash draft head"):
         sess.load()
     assert sess.engine is None
+
+
+def test_a_method_without_its_head_names_the_head_with_its_article(tmp_path, bigram):
+    """The message read "--method dflash needs an dflash draft head"."""
+    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg"), "HF_HUB_OFFLINE": "1"}
+    for method, words in (("dflash", "a DFlash draft head"), ("eagle3", "an EAGLE-3 draft head")):
+        r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(bigram), "--method", method, "-n", "2",
+                            "--raw", "hi"], capture_output=True, text=True, env=env, timeout=120)
+        lines = [x for x in r.stderr.splitlines() if x.strip()]
+        assert r.returncode == 2 and len(lines) == 1, r.stderr
+        assert lines[0].startswith(f"error: --method {method} needs {words}: give one with -d"), lines[0]
+
+
+def test_a_head_of_the_other_kind_is_named_without_a_wrong_article(bigram, agreeing_head, heads_dir):
+    from localspec.drafters.dflash import DFlashDrafter
+    from localspec.drafters.eagle3 import Eagle3Drafter
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama.model import Model
+
+    dflash = write_dflash(heads_dir / "dflash-other-kind.gguf", 3, agree_with=7)
+    with Model(bigram, n_ctx=256) as t:
+        with pytest.raises(IncompatibleDraftError) as e:
+            DFlashDrafter.load(t, agreeing_head)
+        assert str(e.value) == f"{agreeing_head.name} is not a DFlash head (its architecture is eagle3)"
+        with pytest.raises(IncompatibleDraftError) as e:
+            Eagle3Drafter.load(t, dflash)
+        assert str(e.value) == f"{dflash.name} is not an EAGLE-3 head (its architecture is dflash)"

@@ -382,3 +382,11 @@ def test_models_add_refuses_a_non_gguf_file(home, target_path):
     line = one_error_line(cli(["models", "add", "x", "--target", str(target_path), "--draft", str(notgguf)]))
     assert "GGUF" in line
     assert not (home / "cfg" / "pairs.toml").exists()
+
+
+@pytest.mark.parametrize("key,value,words", [("LOCALSPEC_MAX_TOKENS", "abc", "must be a whole number"),
+                                             ("LOCALSPEC_TEMPERATURE", "hot", "must be a number")])
+def test_a_setting_of_the_wrong_kind_is_worded_for_people(home, key, value, words):
+    """The message read "max_tokens must be a int"."""
+    line = one_error_line(cli(["config"], {key: value}))
+    assert words in line and f"{value!r}" in line

@@ -299,7 +299,9 @@ class Engine:
             if cfg.method == "mtp":
                 raise SettingError(f"{{method}} mtp needs a target with MTP layers; {self.target.name} has none",
                                    "method")
-            raise SettingError(f"{{method}} {cfg.method} needs an {cfg.method} draft head ({{draft}} HEAD.gguf)",
+            from localspec.models.gguf_header import HEAD_NAMES
+
+            raise SettingError(f"{{method}} {cfg.method} needs {HEAD_NAMES[cfg.method]}: give one with {{draft}}",
                                ("method", "draft"))
         return cfg.method
 

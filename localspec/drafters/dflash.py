@@ -38,7 +38,7 @@ class DFlashDrafter(HeadFileDrafter):
         from localspec.llama import heads, lib  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("dflash")
         if head.arch != "dflash":
-            raise IncompatibleDraftError(f"{head.name} is a {head.arch} model, not a DFlash head")
+            raise IncompatibleDraftError(f"{head.name} is not a DFlash head (its architecture is {head.arch})")
         ll = lib.require()
         m = head._model
         if int(heads.ext.fn("llama_model_dflash_selector_top_k")(m)) > 0:

@@ -44,7 +44,7 @@ class Eagle3Drafter(HeadFileDrafter):
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("eagle3")
         if head.arch != "eagle3":
-            raise IncompatibleDraftError(f"{head.name} is a {head.arch} model, not an EAGLE-3 head")
+            raise IncompatibleDraftError(f"{head.name} is not an EAGLE-3 head (its architecture is {head.arch})")
         self.target = target
         self.head = head
         self.p_min = p_min
