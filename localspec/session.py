@@ -25,7 +25,7 @@ from localspec.llama import aborts  # hooks only: no llama_cpp import
 from localspec.llama.threads import check_threads
 from localspec.models import download, registry
 from localspec.models import hubname as hfname
-from localspec.models.spec import FileSpec
+from localspec.models.spec import FileSpec, printable
 from localspec import rpcwire as rpc
 from localspec.settings import Setting
 from localspec.store import history
@@ -291,7 +291,7 @@ class Session:
                 return FileSpec(path=str(obj)), None
             spec = hfname.resolve(obj)
             if self.announce:
-                self.announce(f"{name}: {spec.repo}/{spec.file}")
+                self.announce(printable(f"{name}: {spec.repo}/{spec.file}"))
             return spec, None
 
         tspec, pair = spec_for(model, "model")
@@ -322,7 +322,7 @@ class Session:
         target, draft, pair = self.resolve_models()
         v = self.values()
         if self.announce:
-            self.announce(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ...")
+            self.announce(printable(f"loading {target.name}" + (f" + {draft.name}" if draft else "") + " ..."))
         engine = Engine.load(
             target, draft, n_ctx=v["ctx_size"], gpu_layers=v["gpu_layers"], draft_gpu_layers=v["draft_gpu_layers"],
             threads=v["threads"], drop_incompatible_draft=v["method"] == "auto",
@@ -331,6 +331,10 @@ class Session:
         aborts.on_abort(history.save_now)  # llama.cpp may kill the process (a dead RPC worker): keep the chat
         if engine.dropped_draft is None and self.dropped_draft:
             engine.dropped_draft = self.dropped_draft  # dropped before its download
+        # every front end shows these as they are: they quote file names and strings read from the model files
+        for attr in ("dropped_draft", "template_warning"):
+            if getattr(engine, attr, None):
+                setattr(engine, attr, printable(getattr(engine, attr)))
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft
         return engine

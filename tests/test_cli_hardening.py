@@ -282,3 +282,31 @@ def test_bench_plot_with_an_unknown_extension_fails_before_the_run(target_path, 
     line = one_error_line(r, 2)
     assert "--plot" in line and name.rsplit(".", 1)[1] in line and ".png" in line and r.stdout == b""
     assert not (tmp_path / name).exists()
+
+
+def test_run_error_and_doctor_lines_hold_no_control_characters(tmp_path, monkeypatch):
+    """A file name or general.name with terminal escapes reached the terminal through run's warnings, the error
+    line and doctor's probe list; each now shows them as spaces."""
+    from test_models import EVIL, evil_model, no_controls
+    from localspec.session import Session
+
+    f = evil_model(tmp_path / f"evil{EVIL}.gguf", chat_template=None)  # no template: run warns, naming the file
+    r = cli(["run", "-m", str(f), "-n", "2", "hello"], timeout=120)
+    assert r.returncode == 0 and "no chat template" in r.stderr.decode(), r.stderr
+    no_controls(r.stderr.decode())
+    r = cli(["run", "-m", str(tmp_path / "absent" / f.name), "hi"])
+    assert "not found" in one_error_line(r, 2)
+    no_controls(r.stderr.decode())
+    r = cli(["doctor"], timeout=120)
+    assert r.returncode == 0 and "pwned" in r.stdout.decode(), r.stderr  # the exactness probe of the run above
+    no_controls(r.stdout.decode())
+    seen: list[str] = []
+    sess = Session({"model": str(f), "ctx_size": 256}, quiet=True, announce=seen.append)
+    try:
+        sess.load()
+        notes = list(sess.notices())
+    finally:
+        sess.close()
+    assert seen and notes
+    for line in seen + notes:
+        no_controls(line)

@@ -379,3 +379,52 @@ def test_models_add_refuses_a_header_it_cannot_read(env, target_path):
     names = {p["name"] for p in json.loads(cli(["models", "list", "--json"]).stdout)}
     assert not any(n.startswith("p-") for n in names)
     assert not (env / "cfg" / "pairs.toml").exists() or "p-" not in (env / "cfg" / "pairs.toml").read_text()
+
+
+# ------------------------------------------------------------------ strings from model files on a terminal
+EVIL = "\x1b]0;pwned\x07\x1b[2J"  # sets a terminal's title, then clears its screen
+
+
+def evil_model(path: Path, **kw) -> Path:
+    """A tiny model whose general.name holds terminal escapes (OSC title, BEL, CSI clear screen)."""
+    import tinymodels
+
+    orig = tinymodels.llama_kv
+
+    def named(wr, name, *a):
+        orig(wr, f"tiny{EVIL}", *a)
+
+    tinymodels.llama_kv = named
+    try:
+        return tinymodels.write_model(path, 3, **kw)
+    finally:
+        tinymodels.llama_kv = orig
+
+
+def no_controls(text: str) -> None:
+    import unicodedata
+
+    bad = sorted({hex(ord(c)) for c in text if unicodedata.category(c) == "Cc" and c not in "\n"})
+    assert not bad, (bad, text)
+
+
+def test_model_file_strings_are_shown_without_control_characters(env):
+    """`models info` printed a general.name holding OSC/CSI escapes raw (on a terminal: a new title, a cleared
+    screen); so did `models list` and `models add` with such a file name. --json keeps the exact value, escaped."""
+    from localspec.models.spec import printable
+
+    assert printable(f"tiny{EVIL}") == "tiny ]0;pwned  [2J" and printable("a\x9b2Jb\x7f") == "a 2Jb "  # C1 CSI, DEL
+    assert printable("Qwen2.5 — 1.5B") == "Qwen2.5 — 1.5B"
+    f = evil_model(env / f"evil{EVIL}.gguf")
+    r = cli(["models", "info", str(f)])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout.decode()
+    no_controls(out)
+    assert "name: tiny ]0;pwned" in out and "[2J" in out
+    assert json.loads(cli(["models", "info", str(f), "--json"]).stdout)["model"]["name"] == f"tiny{EVIL}"
+    r = cli(["models", "add", "evil", "--target", str(f)])
+    assert r.returncode == 0, r.stderr
+    no_controls(r.stderr.decode())
+    r = cli(["models", "list"])
+    assert r.returncode == 0 and b"evil" in r.stdout
+    no_controls(r.stdout.decode() + r.stderr.decode())

@@ -176,9 +176,12 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     try:
         progress = _Progress(console, "tuning")
         key = tuned_key(sess["model"], sess.pair)
+        from localspec.models.spec import printable
+
         name = sess.pair.name if sess.pair is not None else sess.target_path.name
         if sess.draft_path is not None:
             name += f" + {sess.draft_path.name}"
+        name = printable(name)  # file names reach the terminal without their control characters
         try:
             entry, best = T.tune(engine, ps, ks=ks, p_mins=p_mins, max_tokens=max_tokens, key=key,
                                  draft=tuned_draft(sess["draft"]),

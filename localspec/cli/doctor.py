@@ -49,26 +49,31 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
+    from localspec.models.spec import printable
+
+    def say(line: str) -> None:  # device and model names come from drivers and files: no escapes reach the terminal
+        typer.echo(printable(line))
+
     for k, v in report.items():
         if k in ("system_info", "notes", "models", "devices", "exactness_probes", "verify_costs", "draft_heads"):
             continue
-        typer.echo(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
-    typer.echo(f"system_info: {report.get('system_info', '')}")
+        say(f"{k}: {', '.join(v) if isinstance(v, list) else v}")
+    say(f"system_info: {report.get('system_info', '')}")
     for d in report["devices"]:
         mem = f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free" if d["memory_total"] else "memory n/a"
-        typer.echo(f"device: {d['name']} ({d['type']}, {d['backend']}) {d['description']}: {mem}")
-    typer.echo("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
+        say(f"device: {d['name']} ({d['type']}, {d['backend']}) {d['description']}: {mem}")
+    say("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
     for p in report["exactness_probes"]:
         dev = " ".join(f"{b}:{v:.3g}" for b, v in p["deviation"].items()) or "-"
-        typer.echo(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
-                   f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
-                   f"max |Δlogit| per batch size {dev}")
+        say(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
+            f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
+            f"max |Δlogit| per batch size {dev}")
     for c in report["verify_costs"]:
         costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
-        typer.echo(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
-                   f"one-token decodes per batch size {costs}")
+        say(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
+            f"one-token decodes per batch size {costs}")
     for h, state in report["draft_heads"].items():
-        typer.echo(f"draft head {h}: {state}")
+        say(f"draft head {h}: {state}")
     for n in notes:
-        typer.echo(f"note: {n}")
+        say(f"note: {n}")
 

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from localspec.errors import UsageError
+from localspec.models.spec import printable
 
 models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
 
@@ -56,10 +57,12 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
         return f"{mark} {Path(f['file']).name} [dim]{size}[/dim]"
 
     table = []
+    # names, paths and descriptions come from files (pairs.toml, the hub cache): no escapes reach the terminal
     for r in rows:
         paths = "\n".join(x["path"] for x in (r["target"], r["draft"]) if x and x["path"]) or "-"
-        table.append([r["name"] + (" [bold](default)[/bold]" if r["default"] else ""), fmt(r["target"]), fmt(r["draft"]),
-                      "-" if r["k"] is None else str(r["k"]), paths])
+        table.append([printable(r["name"]) + (" [bold](default)[/bold]" if r["default"] else ""),
+                      printable(fmt(r["target"])), printable(fmt(r["draft"])), "-" if r["k"] is None else str(r["k"]),
+                      printable(paths)])
     print_table(["pair", "target", "draft", "k", "local"], table, right=["k"])
 
 
@@ -73,7 +76,7 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub mo
 
     kind, obj = registry.resolve_name(name)
     if kind == "hub":
-        sys.stderr.write(f"model: {download.ensure(hfname.resolve(obj))}\n")
+        sys.stderr.write(f"model: {printable(download.ensure(hfname.resolve(obj)))}\n")
         return
     if kind == "path":
         raise UsageError(f"{name} is a local file: nothing to pull")
@@ -84,7 +87,7 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub mo
         if spec is None:
             continue
         path = download.ensure(spec)
-        sys.stderr.write(f"{role}: {path}\n")
+        sys.stderr.write(f"{role}: {printable(path)}\n")
 
 
 def _remote_compat(pair) -> None:
@@ -130,7 +133,7 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
 
     def keeping() -> None:
         for _, lp in shared:
-            sys.stderr.write(f"keeping {lp}: another pair uses it\n")
+            sys.stderr.write(f"keeping {printable(lp)}: another pair uses it\n")
 
     if not present and not drop_entry:
         keeping()
@@ -151,7 +154,7 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
         sys.stderr.write(f"removed pair {name}\n")
     for s, _ in present:
         for p in download.remove(s):
-            sys.stderr.write(f"removed {p}\n")
+            sys.stderr.write(f"removed {printable(p)}\n")
 
 
 @models_app.command("info")
@@ -191,15 +194,16 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     if as_json:
         typer.echo(json.dumps(out, indent=1))
         return
-    for role, facts in out.items():
+    for role, facts in out.items():  # every value is read from a file: shown without control characters
         if isinstance(facts, dict):
             typer.echo(f"{role}:")
             for k, v in facts.items():
                 if k == "drafter":
                     v = drafter_words(metas[role], role)
-                typer.echo(f"  {k}: {rollback.WORDS.get(v, v) if k == 'rollback' else v}")
+                typer.echo(printable(f"  {k}: {rollback.WORDS.get(v, v) if k == 'rollback' else v}"))
     if "compatible" in out:
-        typer.echo("pair: " + ("compatible (can speculate)" if out["compatible"] else f"INCOMPATIBLE: {out['difference']}"))
+        typer.echo(printable("pair: " + ("compatible (can speculate)" if out["compatible"]
+                                         else f"INCOMPATIBLE: {out['difference']}")))
 
 
 @models_app.command("add")
@@ -224,7 +228,8 @@ def models_add(
     metas = download.header_metadata(t, d) if d is not None else download.header_metadata(t)  # local or remote
     why = pair_incompatibility(*metas) if metas is not None and d is not None else None
     if why:
-        sys.stderr.write(f"warning: this draft cannot speculate for the target ({why}); `run` will use prompt lookup\n")
+        sys.stderr.write(printable(f"warning: this draft cannot speculate for the target ({why}); `run` will use "
+                                   "prompt lookup") + "\n")
     path = registry.add(name, t, d, k=k, ctx=ctx, description=description)
     if metas is None:
         kind = "unknown (the headers could not be read now)"
@@ -232,5 +237,5 @@ def models_add(
         kind = drafter_kind(metas[1]) or "draft model"
     else:
         kind = "mtp" if drafter_kind(metas[0]) == "mtp" else "prompt lookup"
-    sys.stderr.write(f"added pair {name} to {path} (drafter: {kind})\n")
+    sys.stderr.write(printable(f"added pair {name} to {path} (drafter: {kind})") + "\n")
 

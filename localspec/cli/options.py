@@ -64,7 +64,9 @@ def quiet_pipe() -> None:
 
 
 def err(msg: str) -> None:
-    sys.stderr.write(f"error: {msg}\n")
+    from localspec.models.spec import printable
+
+    sys.stderr.write(f"error: {printable(msg)}\n")  # messages quote file names and model files' strings
     sys.stderr.flush()
 
 

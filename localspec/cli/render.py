@@ -30,8 +30,10 @@ class Status:
 
     def info(self, msg: str) -> None:
         if not self.quiet:
+            from localspec.models.spec import printable
+
             self.clear()
-            sys.stderr.write(msg + "\n")
+            sys.stderr.write(printable(msg) + "\n")  # notices quote file names and model files' strings
             sys.stderr.flush()
 
     def start(self, get_stats) -> None:

@@ -19,7 +19,6 @@ import os
 import sqlite3
 import threading
 import time
-import unicodedata
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import platformdirs
 
 from localspec.errors import UsageError
+from localspec.models.spec import printable
 
 THROTTLE_S = 0.5
 THROTTLE_TOKENS = 32
@@ -71,8 +71,7 @@ def db_path() -> Path:
 def clean_title(text: str) -> str:
     """One line without control characters (ESC, BEL, C1 controls such as CSI): a title is printed on terminals,
     and a chat's first words must not be able to drive them."""
-    text = "".join(c if unicodedata.category(c) != "Cc" else " " for c in text)
-    return " ".join(text.split())
+    return " ".join(printable(text).split())
 
 
 def title_from(text: str) -> str:
