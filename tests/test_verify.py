@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from localspec.core.sampling import SamplingParams, probs, sample, token_logprobs
-from localspec.core.verify import NO_TOKEN, greedy_verify, one_hot, speculative_sampling
+from localspec.core.sampling import Draws, SamplingParams, probs, sample, token_logprobs
+from localspec.core.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
 
 
 def test_greedy_accepts_prefix_then_target_token():
@@ -116,6 +116,66 @@ def test_two_step_sequence_distribution():
     expected = np.outer(p[0], p[1]).ravel()
     ok, chi2 = _chi2_ok(counts.ravel(), expected)
     assert ok, chi2
+
+
+# ----------------------------------------------------------------- keyed verification (seeded requests)
+def _keyed_first_token_freq(p, draft, trials):
+    """Frequency of the first emitted token after one keyed step with gamma = 1 (draft(draws, i): the draft)."""
+    counts = np.zeros(p.shape[1])
+    for t in range(trials):
+        draws = Draws(t)
+        x = draft(draws, t)
+        n, nxt = keyed_verify([x], lambda i: p[i], draws, 0)
+        counts[x if n == 1 else nxt] += 1
+    return counts
+
+
+@pytest.mark.parametrize("how", ["coupled", "independent", "one-hot", "mass where p has none"])
+def test_keyed_reproduces_p_whatever_the_draft(how):
+    q = np.array([0.4, 0.3, 0.1, 0.2, 0.0, 0.0]) if how != "mass where p has none" else P[1]
+    rng = np.random.default_rng(7)
+    draft = {"coupled": lambda d, t: sample(q, d.at(0)), "one-hot": lambda d, t: 3}.get(
+        how, lambda d, t: sample(q, rng))
+    counts = _keyed_first_token_freq(P, draft, 12000)
+    ok, chi2 = _chi2_ok(counts, P[0])
+    assert ok, chi2
+
+
+def test_keyed_emits_the_targets_own_draws_whatever_the_drafts():
+    """The tokens a keyed step emits are the target's draws at their positions, for any drafts: the same answer
+    with every drafter and k."""
+    p = np.array([[0.6, 0.4, 0.0], [0.2, 0.3, 0.5], [0.1, 0.1, 0.8], [0.3, 0.3, 0.4]])
+    rng = np.random.default_rng(4)
+    for seed in range(300):
+        draws = Draws(seed)
+        own = [draws.token(p[i], 10 + i) for i in range(4)]
+        for gamma in range(4):
+            d = [int(x) for x in rng.integers(0, 3, gamma)] if seed % 2 else own[:gamma]
+            n, nxt = keyed_verify(d, lambda i: p[i], draws, 10)
+            assert d[:n] + [nxt] == own[:n + 1]
+            assert n == gamma or d[n] != own[n]
+
+
+def test_keyed_draws_depend_on_seed_and_position_only():
+    p = np.array([0.25, 0.25, 0.25, 0.25])
+    a, b = Draws(3), Draws(3)
+    assert [a.token(p, i) for i in range(40)] == [b.token(p, i) for i in reversed(range(40))][::-1]
+    assert [a.token(p, i) for i in range(40)] != [Draws(4).token(p, i) for i in range(40)]
+    cursor = a.at(7)  # what drafters sample with: consecutive positions
+    assert [sample(p, cursor) for _ in range(5)] == [a.token(p, 7 + i) for i in range(5)]
+    with pytest.raises(ValueError):
+        a.token(np.zeros(4), 0)
+    assert keyed_verify([1], lambda i: np.zeros(4), a, 0) == (0, NO_TOKEN)
+
+
+def test_coupled_drafts_are_accepted_about_as_often_as_leviathans():
+    """A draft sampled with the target's draws is accepted with the Gumbel coupling's chance: at least
+    (1 - tv) / (1 + tv), near Leviathan's 1 - tv when q is close to p."""
+    p = np.array([0.5, 0.2, 0.2, 0.1, 0.0, 0.0])
+    q = np.array([0.45, 0.25, 0.15, 0.1, 0.05, 0.0])
+    tv = 0.5 * np.abs(p - q).sum()
+    hits = sum(sample(q, Draws(t).at(0)) == Draws(t).token(p, 0) for t in range(4000)) / 4000
+    assert hits >= (1 - tv) / (1 + tv) - 0.02 and hits <= 1 - tv + 0.02
 
 
 def test_probs_shapes_distribution():

@@ -55,10 +55,10 @@ from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.engine import Engine, Finished, GenConfig, Piece, _env_allows_inexact, _fit_ctx
 from localspec.core.policy import AdaptivePolicy, FixedPolicy
-from localspec.core.sampling import probs, sample
+from localspec.core.sampling import Draws, probs, sample
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler
-from localspec.core.verify import greedy_verify, one_hot, speculative_sampling
+from localspec.core.verify import greedy_verify, keyed_verify, one_hot, speculative_sampling
 from localspec.drafters import PromptLookupDrafter, Proposal
 from localspec.errors import ContextOverflowError, UsageError
 from localspec.seq import common_prefix
@@ -109,11 +109,17 @@ class _Run:
         self.context = prompt  # grows; the last element is pending once the prompt is decoded
         self.prefill = prefill  # prompt tokens not decoded yet
         self.rng = np.random.default_rng(cfg.sampling.seed)
+        sp = cfg.sampling  # a seed: keyed draws, as on the Engine (the same answer with every method)
+        self.draws = Draws(sp.seed) if sp.seed is not None and not sp.greedy else None
         self.text = TextAssembler(cfg.stop)
         self.out: list[int] = []
         self.finish: str | None = None
         self.t0 = time.perf_counter()
         self.step: tuple | None = None  # this step's (drafter, k, proposal, base, t_draft)
+
+    def source(self):
+        """What the next token (and the drafts after it) are drawn with."""
+        return self.draws.at(len(self.context)) if self.draws is not None else self.rng
 
 
 class BatchEngine:
@@ -530,7 +536,7 @@ class BatchEngine:
         for run, drafter, k in chosen:
             cfg, st = run.cfg, run.stats
             td = time.perf_counter()
-            proposal = drafter.propose(run.context, k, cfg.sampling, run.rng) if (drafter is not None and k > 0) \
+            proposal = drafter.propose(run.context, k, cfg.sampling, run.source()) if (drafter is not None and k > 0) \
                 else Proposal()
             t_draft = time.perf_counter() - td + shared.get(run.seq, 0.0)
             st.draft_s += t_draft
@@ -694,7 +700,7 @@ class BatchEngine:
         if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy:
             return toks
         room = run.cfg.max_tokens - run.stats.completion_tokens - 1
-        more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.rng)
+        more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.source())
         if len(more.tokens) <= len(proposal.tokens) or list(more.tokens[:len(proposal.tokens)]) != \
                 list(proposal.tokens):
             return toks
@@ -754,7 +760,7 @@ class BatchEngine:
         st.prompt_s = time.perf_counter() - run.t0
         sp = run.cfg.sampling
         logits = rows[0]
-        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), run.rng)
+        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), run.source())
         st.ttft_s = time.perf_counter() - run.t0
         if self.target.is_eog(first):
             self._finish(run, "stop")
@@ -769,6 +775,8 @@ class BatchEngine:
         rows = rows[:gamma + 1]  # past them: padding (_pad), rolled back with the rejected rows
         if sp.greedy:
             n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
+        elif run.draws is not None:
+            n_acc, nxt = keyed_verify(proposal.tokens, lambda i: probs(rows[i], sp), run.draws, len(run.context))
         else:
             p = np.stack([probs(r, sp) for r in rows])
             q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, self.target.n_vocab)

@@ -20,10 +20,10 @@ import numpy as np
 from localspec import defaults as D
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
-from localspec.core.sampling import SamplingParams, bias_vector, probs, sample, token_logprobs
+from localspec.core.sampling import Draws, SamplingParams, bias_vector, probs, sample, token_logprobs
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
-from localspec.core.verify import NO_TOKEN, greedy_verify, one_hot, speculative_sampling
+from localspec.core.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
 from localspec.errors import ContextOverflowError, IncompatibleDraftError, SettingError, UsageError
 from localspec.models.pair import check_pair
@@ -417,6 +417,13 @@ class Engine:
         if bias is not None and np.isneginf(bias).all():  # nothing left to say: the request's error, before any work
             raise SettingError("{logit_bias} bans every token of the model's vocabulary", "logit_bias")
         rng = np.random.default_rng(sp.seed)
+        # a seed: the token at each position is the keyed draw there, whatever drafter and k the policy picks, so the
+        # answer is plain decoding's with that seed (sampling.Draws, verify.keyed_verify)
+        draws = Draws(sp.seed) if sp.seed is not None and not sp.greedy else None
+
+        def source():  # what the next token (and the drafts after it) are drawn with
+            return draws.at(len(context)) if draws is not None else rng
+
         text = self._assembler = TextAssembler(cfg.stop)
         from localspec.core.exactness import ProbeCancelled
 
@@ -484,7 +491,7 @@ class Engine:
         if (bias is not None or con is not None) and np.max(logits) == -np.inf:
             first = NO_TOKEN
         else:
-            first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), rng)
+            first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), source())
         stats.ttft_s = time.perf_counter() - t0
         if first == NO_TOKEN:
             finish = _no_token_left(cfg, 0)
@@ -511,7 +518,8 @@ class Engine:
                 drafter, k = policy.choose(context)
                 k = max(0, min(k, remaining - 1, room))
                 td = time.perf_counter()
-                proposal = drafter.propose(context, k, sp_draft, rng) if (drafter is not None and k > 0) else Proposal()
+                proposal = drafter.propose(context, k, sp_draft, source()) if (drafter is not None and k > 0) \
+                    else Proposal()
                 masks = None
                 if banned and any(t in banned for t in proposal.tokens):  # the biased rows would reject them
                     cut = next(i for i, t in enumerate(proposal.tokens) if t in banned)
@@ -534,6 +542,8 @@ class Engine:
                     if bias is not None or con is not None:  # rows that leave no token
                         top[rows.max(axis=1) == -np.inf] = NO_TOKEN
                     n_acc, nxt = greedy_verify(proposal.tokens, top)
+                elif draws is not None:
+                    n_acc, nxt = keyed_verify(proposal.tokens, lambda i: probs(rows[i], sp), draws, len(context))
                 else:
                     p = np.stack([probs(r, sp) for r in rows])
                     q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)

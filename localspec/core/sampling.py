@@ -76,8 +76,60 @@ def probs(logits: np.ndarray, sp: SamplingParams) -> np.ndarray:
     return p / p.sum()
 
 
-def sample(p: np.ndarray, rng: np.random.Generator) -> int:
-    """Draw one index from a (possibly unnormalised) non-negative vector."""
+class Draws:
+    """The random draws of one generation, keyed by position. The token drawn at a position of the sequence is a
+    function of the seed, the position and the distribution there only (not of how many draws came before), so a
+    drafter's choices and k cannot change a seeded answer: a draft is accepted iff it is the target's own draw at its
+    position, and the answer is plain decoding's with the same seed, whatever the method.
+
+    A draw is an exponential race: token argmin_x E[x] / p[x], E iid Exp(1), which is x with probability
+    p[x] / sum(p) (the Gumbel-max trick). E comes from a Philox stream keyed by (seed, position), a counter-based
+    generator that reaches any position directly. A drafter that samples its q with the same E (at(): draws from a
+    position on) proposes the target's token wherever q is close to p (the Gumbel coupling)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = int(seed) % 2**64
+        self._key = self.seed << 64  # the Philox key: the seed above, the position below
+
+    def exponentials(self, pos: int, n: int) -> np.ndarray:
+        """E at position `pos` for n tokens (the first n of one stream, so a shorter row sees a prefix of them)."""
+        gen = np.random.Generator(np.random.Philox(key=self._key | (int(pos) % 2**64)))
+        return gen.standard_exponential(n, dtype=np.float32)  # single precision: half the time of double
+
+    def token(self, p: np.ndarray, pos: int) -> int:
+        """The draw at position `pos` from p, non-negative weights (token x with probability p[x] / sum(p))."""
+        p = np.asarray(p, dtype=np.float64)
+        allowed = p > 0
+        if not allowed.any():
+            raise ValueError("cannot sample from an all-zero distribution")
+        race = np.full(len(p), np.inf)
+        with np.errstate(over="ignore"):  # a tiny p[x] loses the race (inf)
+            np.divide(self.exponentials(pos, len(p)), p, out=race, where=allowed)
+        return int(np.argmin(race))
+
+    def at(self, pos: int) -> "Cursor":
+        return Cursor(self, pos)
+
+
+class Cursor:
+    """Draws at consecutive positions from `pos` on: a drafter samples its tokens with one (sample(q, cursor)), the
+    first at the position after the context, so its draws are the target's at the same positions."""
+
+    def __init__(self, draws: Draws, pos: int) -> None:
+        self.draws = draws
+        self.pos = pos
+
+    def draw(self, p: np.ndarray) -> int:
+        t = self.draws.token(p, self.pos)
+        self.pos += 1
+        return t
+
+
+def sample(p: np.ndarray, rng: np.random.Generator | Cursor) -> int:
+    """Draw one index from a (possibly unnormalised) non-negative vector: by inverse CDF from a numpy Generator, or
+    a Cursor's keyed draw at its next position."""
+    if isinstance(rng, Cursor):
+        return rng.draw(p)
     c = np.cumsum(p)
     total = c[-1]
     if not total > 0:
