@@ -5,6 +5,7 @@ speculation kept on (the same answer with method none and draft at temperature 0
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -127,8 +128,13 @@ def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to
     from localspec.server.grammar import Lazy
 
     g, trigger = T.auto_grammar([WEATHER], "auto", "<tool_call>")
-    assert trigger == "<tool_call>" and T.auto_grammar([WEATHER], "none", "<tool_call>") is None
-    assert T.auto_grammar([WEATHER], "auto", None) is None  # no marker to wait for: free text, as before
+    assert re.match(trigger, "<tool_call>") and T.auto_grammar([WEATHER], "none", "<tool_call>") is None
+    # a call written as JSON, fenced or bare, triggers it too, once it names one of the tools; with no marker in
+    # the template, only that
+    for text in ('```json\n{\n  "name": "get_weather"', 'ok {"name": "get_weather"', '{{"name": "get_weather"'):
+        assert re.search(trigger, text), text
+    assert not re.search(trigger, '{"name": "get_time"') and not re.search(trigger, "use get_weather")
+    assert not re.search(T.auto_grammar([WEATHER], "auto", None)[1], "<tool_call>")
     with Model(target_path, n_ctx=256) as m:
         lazy = Lazy(g, m, trigger)
         full = m.tokenize("the cat\n<tool_call>\n", add_special=False, parse_special=False)
@@ -148,6 +154,49 @@ def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to
         x = m.tokenize("<tool_call>x", add_special=False, parse_special=False)[1:]
         assert lazy.consume(full[:i] + x[:-1]) and lazy.active
         assert not lazy.allowed()[x[-1]]  # once the marker is written, only the call may follow
+
+
+@pytest.mark.parametrize("text", ['Sure.\n```json\n{\n  "name": "get_weather",', '{{"name": "get_weather", ',
+                                  'It is {"name": "get_weather", '])
+def test_auto_holds_a_call_written_as_json_once_it_names_a_tool(target_path, text):
+    """With no marker to wait for, the lazy grammar starts where a fenced or bare call starts, once the call names
+    one of the tools: from there only the call's JSON may follow; a rollback before the name frees it again."""
+    from localspec.llama.model import Model
+    from localspec.server import tools as T
+    from localspec.server.grammar import Lazy
+
+    g, trigger = T.auto_grammar([WEATHER, CLOCK], "auto", None)
+    with Model(target_path, n_ctx=256) as m:
+        lazy = Lazy(g, m, trigger)
+        toks = m.tokenize(text, add_special=False, parse_special=False)
+        seen, started = b"", None
+        for i, t in enumerate(toks):
+            assert lazy.consume([t])
+            seen += m.piece(t)
+            if lazy.active and started is None:
+                started = i
+        assert started is not None and b'"get_weather"' in b"".join(m.piece(t) for t in toks[:started + 1])
+        assert b'"get_weather"' not in b"".join(m.piece(t) for t in toks[:started])  # not before the name
+        allowed = lazy.allowed()
+        assert 0 < allowed.sum() < len(allowed)
+        ok = [m.piece(int(t)) for t in allowed.nonzero()[0]]
+        assert all(p.lstrip(b" \r\n").startswith(b'"') or not p.strip(b" \r\n") for p in ok), ok  # "arguments" next
+        lazy.rollback(len(toks) - started)
+        assert not lazy.active and lazy.allowed().all()
+        assert lazy.consume(toks[started:]) and lazy.active
+
+
+def test_auto_does_not_start_on_a_name_no_tool_has(target_path):
+    from localspec.llama.model import Model
+    from localspec.server import tools as T
+    from localspec.server.grammar import Lazy
+
+    g, trigger = T.auto_grammar([WEATHER, CLOCK], "auto", None)
+    with Model(target_path, n_ctx=256) as m:
+        lazy = Lazy(g, m, trigger)
+        for text in ('```json\n{"name": "get_weather_now", "x": 1}', ' use get_weather or "get_time"'):
+            assert lazy.consume(m.tokenize(text, add_special=False, parse_special=False))
+            assert not lazy.active and lazy.allowed().all()
 
 
 def test_a_hermes_template_through_the_server(open_api, monkeypatch):
@@ -242,17 +291,17 @@ def test_auto_holds_a_call_to_parameters_with_defs(target_path):
     from localspec.server.grammar import Grammar
 
     for key in ("$defs", "definitions"):
-        got = T.auto_grammar(defs_tools(key), "auto", "<tool_call>")
+        got = T.auto_grammar(defs_tools(key), "auto", "<tool_call>", parallel=False)
         assert got is not None
         g, trigger = got
-        assert trigger == "<tool_call>"
+        assert trigger.startswith("<tool_call>|")
         eng = Engine.load(target_path, n_ctx=512)
         try:
             fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=200,
                                                                     constraint=Grammar(g, eng.target)))
         finally:
             eng.close()
-        assert fin.text.startswith("<tool_call>\n{"), fin.text
+        assert re.match(trigger, fin.text), fin.text  # one of the call forms, from the first token
         content, calls = T.parse(fin.text, set(UNITS))
         assert calls and content == "", fin.text
         for call in calls:

@@ -80,6 +80,54 @@ def test_mistral_calls():
     assert one('[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}') == ("", [("get_weather", {"city": "Lima"})])
 
 
+# the forms small models write a call in, whatever their template shows (Qwen2.5-Coder: a fenced, indented block,
+# or the doubled braces its template prints)
+PARIS = ("get_weather", {"city": "Paris"})
+WRITTEN = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "fenced": '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    "fenced, no language": '```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    "bare": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "doubled braces": '{{"name": "get_weather", "arguments": {"city": "Paris"}}}',
+    "all braces doubled": '{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}',
+    "fenced, doubled": '```json\n{{"name": "get_weather", "arguments": {"city": "Paris"}}}\n```',
+    "arguments as text": '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+    "generic": '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+}
+
+
+@pytest.mark.parametrize("form", WRITTEN)
+def test_each_written_form_is_a_call(form):
+    assert one(WRITTEN[form]) == ("", [PARIS])
+    assert one("I will look it up.\n\n" + WRITTEN[form] + "\n") == ("I will look it up.", [PARIS])
+
+
+def test_two_fenced_calls_and_calls_on_lines():
+    two = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n\n```json\n' \
+          '{"name": "add", "arguments": {"a": 1}}\n```'
+    assert one(two) == ("", [PARIS, ("add", {"a": 1})])
+    assert one('{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "add", "arguments": {}}') == \
+        ("", [PARIS, ("add", {})])
+    # a fence that the token limit cut before it closed: the call is whole, so it is one
+    assert one('```json\n{"name": "add", "arguments": {"a": 1}}\n') == ("", [("add", {"a": 1})])
+
+
+@pytest.mark.parametrize("text", [
+    "I will use get_weather to look up Paris.",
+    "Call `get_weather(city='Paris')` to find out.",
+    '```python\nget_weather(city="Paris")\n```',
+    '```python\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',  # a code block, not JSON
+    '```json\n{"name": "Paris", "population": 2100000}\n```',  # JSON, but no tool's name
+    '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\nThat call returns the weather.',
+    'Use {"name": "get_weather"} with a city.',
+    '{"name": "get_weather", "arguments": ["Paris"]}',  # arguments that are no object
+    '{{"name": "get_weather", "arguments": {"city": "Paris"}}',  # unbalanced
+    "The answer is {x: 1}.",
+])
+def test_text_that_mentions_a_function_stays_content(text):
+    assert parse(text, NAMES) == (text, [])
+
+
 @pytest.mark.parametrize("text", [
     "The weather is fine.",
     '<tool_call>{"name": "get_weather", "arguments": {"city": </tool_call>',  # broken JSON
@@ -97,17 +145,34 @@ def test_what_is_not_a_call_stays_content(text):
     '  {"name": "add", "parameters": {"a": 1}}',
     "plain answer, no tools used: <tool or [TOOL not a marker",
     '{"not": "a call"} ok',
+    *WRITTEN.values(),
+    "Let me check.\n" + WRITTEN["fenced"],
+    'Code:\n```python\nx = {"a": 1}\n```\nand then ' + WRITTEN["bare"],
+    '{"name": "add", "arguments": {"a": 1}} trailing words',
+    '{"name": "get_weather", "arguments": {"city": "Paris"}} and then {"name": "add", "arguments": {}}',
+    '[1, 2] {"b": {"c": "d"}} ```js\nx\n``` done',
 ])
 def test_the_stream_splitter_gives_the_same_result_piece_by_piece(text):
+    for size in (1, 3, 7):
+        ts = ToolStream(NAMES)
+        sent = "".join(ts.feed(text[i:i + size]) for i in range(0, len(text), size))
+        rest, calls = ts.end()
+        content, want = parse(text, NAMES)
+        assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
+        if want:
+            assert (sent + rest).strip() == content
+        else:
+            assert sent + rest == text
+
+
+def test_the_stream_splitter_passes_on_what_cannot_be_a_call_as_it_comes():
+    """Code blocks, JSON that names no tool and prose stream on; only a possible call waits."""
     ts = ToolStream(NAMES)
-    sent = "".join(ts.feed(ch) for ch in text)
-    rest, calls = ts.end()
-    content, want = parse(text, NAMES)
-    assert [(c.name, c.arguments) for c in calls] == [(c.name, c.arguments) for c in want]
-    if want:
-        assert sent.strip() == content
-    else:
-        assert sent + rest == text
+    for piece, out in [("Here:\n", "Here:"), ("```python\nprint(1)\n", "\n```python\nprint(1)"),
+                       ("```\n", ""), ('{"name": "Paris", ', '\n```\n{"name": "Paris",'),
+                       ('"x": 1}\n```json\n{"na', ' "x": 1}'), ('me": "get_w', ""), ('eather"', "")]:
+        assert ts.feed(piece) == out, piece
+    assert ts.holding  # it names a tool: held to the end
 
 
 # ------------------------------------------------------------------ round trips with the openai client
@@ -115,10 +180,11 @@ class Scripted:
     """Replaces the served engine's generation with fixed answers, one per request, and keeps each prompt the chat
     template rendered."""
 
-    def __init__(self, monkeypatch, engine, answers):
+    def __init__(self, monkeypatch, engine, answers, template=TOOL_TEMPLATE):
+        """`template`: the chat template to serve with (None: the model's own, a ChatML that shows no tools)."""
         from localspec.core.chat_template import ChatTemplate
 
-        self.answers, self.prompts = list(answers), []
+        self.answers, self.prompts, self.constraints = list(answers), [], []
         outer = self
 
         class Recording(ChatTemplate):
@@ -127,7 +193,9 @@ class Scripted:
                 outer.prompts.append("".join(s.text for s in segs))
                 return segs
 
-        tmpl = Recording(TOOL_TEMPLATE, origin="the test template")
+        from tinymodels import CHATML
+
+        tmpl = Recording(template or CHATML, origin="the test template")
         monkeypatch.setattr(engine, "chat_template", lambda: tmpl)
         monkeypatch.setattr(engine, "generate", self.generate)
 
@@ -136,6 +204,7 @@ class Scripted:
         from localspec.core.stats import Stats
 
         text = self.answers.pop(0)
+        self.constraints.append(cfg.constraint)
         st = Stats(prompt_tokens=len(tokens))
         pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
         for i, p in enumerate(pieces):
@@ -193,6 +262,82 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_call(open_api, monkeyp
     assert [(s["name"], json.loads(s["arguments"])) for s in calls.values()] == \
         [(t.function.name, json.loads(t.function.arguments)) for t in whole.tool_calls]
     assert all(s["id"].startswith("call_") for s in calls.values())
+
+
+def streamed(c, **kw):
+    """(content, {index: call}, finish, chunks) of a streamed chat answer, as a client puts it together."""
+    content, calls, finish, chunks = "", {}, None, []
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        chunks.append(chunk)
+        if not chunk.choices:
+            continue
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        for tc in d.tool_calls or ():
+            slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "", "deltas": 0})
+            slot["id"] = tc.id or slot["id"]
+            if tc.function is not None:
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+                slot["deltas"] += bool(tc.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    return content, calls, finish, chunks
+
+
+@pytest.mark.parametrize("template", [TOOL_TEMPLATE, None], ids=["hermes template", "template without tools"])
+@pytest.mark.parametrize("form", ["hermes", "fenced", "bare", "doubled braces"])
+def test_each_form_comes_back_as_tool_calls_streamed_or_not(open_api, monkeypatch, template, form):
+    Scripted(monkeypatch, open_api.session.engine, [WRITTEN[form]] * 2, template)
+    c = open_api.client(max_retries=0)
+    kw = dict(model="x", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, tool_choice="auto")
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [PARIS]
+    content, calls, finish, chunks = streamed(c, **kw)
+    assert finish == "tool_calls" and content == "" and list(calls) == [0]
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == PARIS and calls[0]["id"].startswith("call_")
+    assert calls[0]["deltas"] > 1  # the arguments come in pieces, as OpenAI streams them
+    first = chunks[0].choices[0].delta  # the call opens the answer: role and call together, content null
+    assert first.role == "assistant" and first.tool_calls and first.content is None
+    assert "content" in first.model_fields_set  # sent as null, not left out
+
+
+def test_a_streamed_answer_opens_with_the_role_and_empty_content(open_api, monkeypatch):
+    Scripted(monkeypatch, open_api.session.engine, ["It is sunny."])
+    c = open_api.client(max_retries=0)
+    content, calls, finish, chunks = streamed(c, model="x", messages=[{"role": "user", "content": "hi"}],
+                                              tools=TOOLS)
+    assert (content, calls, finish) == ("It is sunny.", {}, "stop")
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content == "" and not first.tool_calls
+
+
+def test_a_template_without_tools_is_taught_them_and_shown_the_calls(open_api, monkeypatch):
+    """The tiny model's ChatML prints no tools: they go into a system message with the Hermes format, the call
+    turn and the result are written as Hermes text, and what the model writes is read back."""
+    from localspec.server.tools import TOOLS_PROMPT
+
+    sc = Scripted(monkeypatch, open_api.session.engine, [WRITTEN["fenced"], "Sunny, 21 C."], template=None)
+    c = open_api.client(max_retries=0)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Paris?"}]
+    r = c.chat.completions.create(model="x", messages=msgs, tools=TOOLS)
+    first = sc.prompts[-1]
+    assert first.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and first.count("<|im_start|>system") == 1
+    assert TOOLS_PROMPT.split("{tools}")[1].replace("{{", "{").replace("}}", "}") in first
+    assert json.dumps(TOOLS[0]) in first
+    call = r.choices[0].message.tool_calls[0]
+    msgs += [r.choices[0].message.model_dump(exclude_none=True),
+             {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
+    r2 = c.chat.completions.create(model="x", messages=msgs, tools=TOOLS)
+    assert r2.choices[0].message.content == "Sunny, 21 C."
+    second = sc.prompts[-1]
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n' \
+           '</tool_call><|im_end|>' in second
+    assert '<|im_start|>user\n<tool_response>\n{"sky": "sunny"}\n</tool_response><|im_end|>' in second
+    # under auto the answer is held to the tools' schemas once a call starts (a lazy grammar); none without tools
+    from localspec.server.grammar import Lazy
+
+    assert all(isinstance(x, Lazy) for x in sc.constraints)
 
 
 def test_text_that_is_no_call_is_content_and_without_tools_nothing_is_parsed(open_api, monkeypatch):

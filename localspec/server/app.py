@@ -54,6 +54,14 @@ def template_text(eng) -> str | None:
     return getattr(eng, "_template_source", None) or eng.target.chat_template()
 
 
+def template_of(eng):
+    """The parsed chat template (None: there is none, or it does not parse: building the prompt says so)."""
+    try:
+        return eng.chat_template()
+    except LocalspecError:
+        return None
+
+
 def check_ranges(req: Common) -> None:
     """The checks OpenAI applies before anything else (the engine checks the rest)."""
     if req.n is not None and req.n != 1:
@@ -207,8 +215,12 @@ class Generations:
                 c["choices"][0]["logprobs"] = lp.take()
             return c
 
+        # with tools the opening chunk (the assistant role) waits for the answer's first content or call: a call
+        # that opens the answer carries the role itself, with content null, as OpenAI streams it
+        opened = splitter is None
         try:
-            yield sse(chunk(cid, now, None, None))  # the opening chunk (chat: the assistant role)
+            if opened:
+                yield sse(chunk(cid, now, None, None))
             while True:
                 if isinstance(ev, APIError):  # a failed generation, or the server shutting down
                     yield sse(ev.body())
@@ -218,18 +230,27 @@ class Generations:
                         lp.add(ev)
                     text = ev.text if splitter is None else splitter.feed(ev.text)
                     if text:
+                        if not opened:
+                            yield sse(chunk(cid, now, None, None))
+                            opened = True
                         yield sse(with_logprobs(chunk(cid, now, text, None)))
                 elif isinstance(ev, Finished):
                     finish = ev.finish_reason
                     if splitter is not None:  # the held-back text: content, or the tool calls (arguments in deltas)
                         rest, calls = splitter.end()
                         if rest:
+                            if not opened:
+                                yield sse(chunk(cid, now, None, None))
+                                opened = True
                             yield sse(with_logprobs(chunk(cid, now, rest, None)))
                         for i, call in enumerate(calls):
-                            for delta in T.call_deltas(call, i):
+                            for delta in T.call_deltas(call, i, role=not opened):
                                 yield sse(O.chat_delta(self.name, cid, now, delta))
+                            opened = True
                         if calls and finish != "cancelled":
                             finish = "tool_calls"
+                        if not opened:
+                            yield sse(chunk(cid, now, None, None))
                     last = with_logprobs(chunk(cid, now, None, finish))  # (tokens whose text was held back)
                     last["localspec"] = localspec_stats(ev.stats, cfg)
                     yield sse(last)
@@ -301,18 +322,25 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         return APIError(500, f"internal error: {type(exc).__name__}").response()
 
     # ------------------------------------------------------------ endpoints
+    def tool_constraint(tools, tool_choice, parallel: bool, response_format, taught: bool):
+        """The grammar a request's tools put on the answer: a forced call (tool_choice required / named), or under
+        auto (without response_format) a lazy one that holds a call to the tools' schemas once the model starts
+        one. `taught`: the model was told the Hermes format (T.for_template)."""
+        fmt = "hermes" if taught else None
+        forced = T.choice_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt)
+        if forced is not None:
+            return Grammar(forced, engine.target)
+        lazy = T.auto_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt) \
+            if response_format is None else None
+        return Lazy(lazy[0], engine.target, lazy[1]) if lazy is not None else None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
-        msgs = chat_messages(req)
-        parallel = req.parallel_tool_calls is not False
-        forced = T.choice_grammar(tools, req.tool_choice, template_text(engine), parallel)  # required / named
-        con = Grammar(forced, engine.target) if forced is not None else None
-        lazy = T.auto_grammar(tools, req.tool_choice, template_text(engine), parallel) \
-            if req.response_format is None else None
-        if lazy is not None:  # auto: a call, once the model starts one, follows the tools' schemas
-            con = Lazy(lazy[0], engine.target, lazy[1])
+        msgs, taught = T.for_template(chat_messages(req), tools, template_of(engine))
+        con = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False, req.response_format,
+                              taught)
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
                               tools=names if tools is not None else None, logprobs=O.chat_logprobs,

@@ -383,19 +383,26 @@ def constraint_for(response_format, model) -> Grammar | None:
 
 
 class Lazy:
-    """A constraint that lets the model write anything until its answer reaches `trigger` (from a token boundary),
-    then holds the rest to `grammar`, which starts with the trigger: a tool call under tool_choice "auto" (the
-    model chooses whether to call; once it does, the call follows the tool's schema). Rolls back like Grammar,
-    also to before the trigger."""
+    """A constraint that lets the model write anything until its answer matches `trigger` (a regular expression:
+    a tool call's start, e.g. `<tool_call>` or a fenced JSON object up to a tool's name), then holds the rest to
+    `grammar`, which reads the answer from where the match starts: a tool call under tool_choice "auto" (the model
+    chooses whether to call; once it does, the call follows the tool's schema). The match may start inside a token:
+    the grammar is given the text from there (tokenized again; a grammar reads bytes, not token ids). Rolls back
+    like Grammar, also to before the trigger."""
+
+    WINDOW = 512  # bytes of recent text a trigger match may span (a match longer than this is never found)
 
     def __init__(self, grammar: str, model, trigger: str) -> None:
+        import re
+
         self.inner = Grammar(grammar, model)
         self.model = model
-        self.trigger = trigger.encode()
+        self.trigger = re.compile(trigger.encode())
         self.tokens: list[int] = []
-        self.start: int | None = None  # where the grammar took over (the trigger's first token)
-        self.done = 0  # tokens consumed when the trigger completed: a rollback below it frees the answer again
-        self.cands: list[list[int]] = [[]]  # per consumed token: starts whose text so far begins the trigger
+        self.text = bytearray()  # the answer so far (before the trigger)
+        self.ends: list[int] = []  # per consumed token: len(text) after it
+        self.start: int | None = None  # the token in which the grammar took over
+        self.done = 0  # tokens consumed when the trigger matched: a rollback below it frees the answer again
         self._all = np.ones(model.n_vocab, dtype=bool)
 
     @property
@@ -405,25 +412,35 @@ class Lazy:
     def allowed(self) -> np.ndarray:
         return self.inner.allowed() if self.start is not None else self._all
 
+    def _match(self, new: int):
+        """The first trigger match that ends in the last `new` bytes (an earlier one was seen before)."""
+        pos = max(0, len(self.text) - self.WINDOW)
+        while True:
+            m = self.trigger.search(self.text, pos)
+            if m is None or m.end() > len(self.text) - new:
+                return m
+            pos = m.start() + 1
+
     def consume(self, tokens) -> bool:
         for t in (int(x) for x in tokens):
             self.tokens.append(t)
             if self.start is not None:
                 if not self.inner.consume([t]):
                     return False
-                self.cands.append([])
+                self.ends.append(len(self.text))
                 continue
-            keep = []
-            for c in [*self.cands[-1], len(self.tokens) - 1]:
-                text = b"".join(self.model.piece(x) for x in self.tokens[c:])
-                if text.startswith(self.trigger):
-                    if self.inner.consume(self.tokens[c:]):
-                        self.start, self.done = c, len(self.tokens)
-                        break
-                    self.inner.matcher = None  # what follows the trigger is no call: stay free (a fresh matcher)
-                elif self.trigger.startswith(text) and text:
-                    keep.append(c)
-            self.cands.append([] if self.start is not None else keep)
+            piece = self.model.piece(t)
+            self.text += piece
+            self.ends.append(len(self.text))
+            m = self._match(len(piece)) if piece else None
+            if m is None:
+                continue
+            rest = tokenizer_for(self.model).tokenize_bytes(bytes(self.text[m.start():]))
+            if self.inner.consume(rest):
+                self.start = next(i for i, e in enumerate(self.ends) if e > m.start())
+                self.done = len(self.tokens)
+            else:
+                self.inner.matcher = None  # what follows the trigger is no call: stay free (a fresh matcher)
         return True
 
     def rollback(self, n: int) -> bool:
@@ -431,11 +448,11 @@ class Lazy:
             return True
         keep = len(self.tokens) - n
         if self.start is not None:
-            if keep < self.done:  # back to before the trigger was complete
+            if keep < self.done:  # back to before the trigger matched
                 self.inner.matcher, self.start = None, None
             else:
                 self.inner.rollback(n)
         del self.tokens[keep:]
-        del self.cands[keep + 1:]
+        del self.ends[keep:]
+        del self.text[self.ends[-1] if self.ends else 0:]
         return True
-

@@ -1,18 +1,25 @@
 """Tool calling, the OpenAI way: the request's `tools` and the conversation's calls and results go to the chat
 template (transformers' context), and the model's answer is read back into `tool_calls`.
 
-The formats read: Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one or several),
-Llama 3.x JSON (`{"name": ..., "parameters": {...}}`, optionally after `<|python_tag|>`, several separated by `;`),
-and Mistral `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (and the newer `[TOOL_CALLS]name[ARGS]{...}`).
-Anything that does not parse as calls of the request's tools stays text: the answer is then plain content, never
-an error.
+The forms read: Hermes / Qwen `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (one or several),
+Mistral `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (and the newer `[TOOL_CALLS]name[ARGS]{...}`), and
+a call written as JSON at the end of the answer, as Llama 3.x and small models write them whatever their template
+shows: bare or in a ```json fence, `{"name", "arguments"|"parameters"}` (optionally after `<|python_tag|>`, several
+separated by `;` or lines), with doubled braces (`{{"name": ...}}`, as templates that escape braces print the
+format), or llama.cpp's generic `{"tool_call": {...}}`. A call names one of the request's tools with arguments
+that parse as a JSON object; anything else stays text (a function only mentioned is content, never an error).
 
-`tool_choice` "required" or a named function: the answer is decoded under a grammar (llguidance, as structured
-output; `choice_grammar`): one or more calls of the allowed tools in the format the chat template uses, each call's
-arguments following its function's JSON schema.
+A template that prints no tools at all is given them in the system message with the Hermes format (`for_template`),
+and calls and results in the conversation are written in that format.
 
-Streaming (`ToolStream`): text is passed on until a tool-call start could be beginning; from there it is held back
-and, at the end, sent as `tool_calls` deltas (or as content when it was not a call after all).
+tool_choice "auto": a lazy grammar (`auto_grammar`, server/grammar.py Lazy) lets the model write freely until its
+answer starts a call (the format's marker, or a fenced / bare JSON object up to the name of one of the tools);
+from there the call follows the tools' schemas. "required" or a named function: the answer is decoded under a
+grammar (`choice_grammar`): one or more calls of the allowed tools in the format the chat template uses.
+
+Streaming (`ToolStream`): text is passed on until a call could be beginning; from there it is held back while it
+may still be one and, at the end, sent as `tool_calls` deltas, the arguments in pieces (or as content when it was
+not a call after all).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+import weakref
 from dataclasses import dataclass
 
 from localspec.server.openai import APIError
@@ -104,22 +112,144 @@ def template_tool_calls(calls, where: str) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------ templates that show no tools
+# What a model whose template prints no tools is told (the Hermes / Qwen wording; its calls are read, and held to
+# the schemas, as under a Hermes template). Unlike llama.cpp's generic format, which makes every answer a JSON
+# object ({"response": ...} or {"tool_call": ...}), the answer stays free text until the model starts a call.
+TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML \
+tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+_PROBE = "localspec_probe"
+
+
+@dataclass(frozen=True)
+class Support:
+    """What a chat template prints: the request's tools, an assistant turn's calls, a tool turn's result, a system
+    message."""
+    tools: bool
+    calls: bool
+    results: bool
+    system: bool
+
+
+_SUPPORT: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def support(tmpl) -> Support:
+    """What `tmpl` (a ChatTemplate) prints, found once by rendering a conversation with marked names."""
+    got = _SUPPORT.get(tmpl)
+    if got is not None:
+        return got
+
+    def shows(msgs, needle, tools=None) -> bool:
+        try:
+            return needle in tmpl.render(msgs, True, tools)
+        except Exception:  # a template that refuses the role or the fields: it does not print them
+            return False
+
+    user = {"role": "user", "content": "hi"}
+    tool = {"type": "function", "function": {"name": _PROBE + "_tool", "description": "",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": _PROBE + "_call", "arguments": {}}}]}
+    result = {"role": "tool", "tool_call_id": "call_1", "name": _PROBE + "_call", "content": _PROBE + "_result"}
+    got = _SUPPORT[tmpl] = Support(
+        tools=shows([user], _PROBE + "_tool", [tool]), calls=shows([user, call], _PROBE + "_call", [tool]),
+        results=shows([user, call, result], _PROBE + "_result", [tool]),
+        system=shows([{"role": "system", "content": _PROBE + "_system"}, user], _PROBE + "_system"))
+    return got
+
+
+def hermes_calls(calls: list[dict]) -> str:
+    """An assistant turn's calls (template_tool_calls' form) written as Hermes calls."""
+    return "\n".join(f"{HERMES_OPEN}\n" + json.dumps({"name": c["function"]["name"],
+                                                     "arguments": c["function"]["arguments"]}, ensure_ascii=False)
+                     + f"\n{HERMES_CLOSE}" for c in calls)
+
+
+def for_template(msgs: list[dict], tools: list[dict] | None, tmpl) -> tuple[list[dict], bool]:
+    """(the messages as `tmpl` can show them, whether the model is taught the Hermes call format here). A template
+    that prints no tools gets them in the system message (TOOLS_PROMPT; in the first user message when it takes no
+    system message); calls and results it does not print (all of them, when it prints no tools) are written into
+    the text as Hermes calls and `<tool_response>` blocks (the results as a user turn), as the model was told."""
+    if tmpl is None or (tools is None and not any(m.get("tool_calls") or m["role"] == "tool" for m in msgs)):
+        return msgs, False
+    sup = support(tmpl)
+    calls, results = sup.calls and sup.tools, sup.results and sup.tools  # no tool format: all of it as Hermes
+    out: list[dict] = []
+    for m in msgs:
+        if m["role"] == "assistant" and m.get("tool_calls") and not calls:
+            text = "\n".join(x for x in (m.get("content") or "", hermes_calls(m["tool_calls"])) if x)
+            out.append({"role": "assistant", "content": text})
+        elif m["role"] == "tool" and not results:
+            block = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+            if out and out[-1].get("from_tool"):  # results of one turn's calls: one user turn
+                out[-1] = {**out[-1], "content": out[-1]["content"] + "\n" + block}
+            else:
+                out.append({"role": "user", "content": block, "from_tool": True})
+        else:
+            out.append(m)
+    out = [{k: v for k, v in m.items() if k != "from_tool"} for m in out]
+    taught = tools is not None and not sup.tools
+    if taught:
+        note = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{note}" if out[0]["content"] else note}
+        elif sup.system:
+            out.insert(0, {"role": "system", "content": note})
+        else:
+            i = next((j for j, m in enumerate(out) if m["role"] == "user"), None)
+            if i is None:
+                out.insert(0, {"role": "user", "content": note})
+            else:
+                out[i] = {**out[i], "content": f"{note}\n\n{out[i]['content']}"}
+    return out, taught
+
+
 # ------------------------------------------------------------------ the answer side
-def _as_call(obj, names: set[str]) -> ToolCall | None:
+# A fenced block a call may sit in: ```json, ``` or ```tool_call, up to its closing fence (or the end of the answer:
+# a stop string or the token limit may cut the closing fence off).
+FENCE_LANGS = ("", "json", "tool_call")
+_FENCE = re.compile(r"```([A-Za-z_]*)[ \t]*\r?\n(.*?)(?:```|\Z)", re.S)
+# where a call written without markers may start: a fence, a JSON object or array whose first key is coming
+_START = re.compile(r"```|<\|python_tag\|>|[\[{]\s*[{\"]|[\[{]\s*\Z")
+# the keys a call object opens with, in the forms read (OpenAI's, Llama's, llama.cpp's generic format)
+CALL_KEYS = ("name", "function", "type", "arguments", "parameters", "tool_call", "tool_calls", "id")
+
+
+def _as_call(obj, names: set[str]) -> list[ToolCall] | None:
+    """The call(s) a JSON value is, or None. {"name", "arguments"|"parameters"}, {"type": "function", "function":
+    {...}}, and llama.cpp's generic {"tool_call": {...}} / {"tool_calls": [...]}."""
     if not isinstance(obj, dict):
         return None
-    if isinstance(obj.get("function"), dict) and "name" not in obj:  # {"type": "function", "function": {...}}
-        obj = obj["function"]
+    if "name" not in obj:
+        if isinstance(obj.get("tool_call"), dict):
+            return _as_call(obj["tool_call"], names)
+        if isinstance(obj.get("tool_calls"), list):
+            return _calls(obj["tool_calls"], names)
+        if isinstance(obj.get("function"), dict):
+            obj = obj["function"]
     name = obj.get("name")
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
         try:
-            args = json.loads(args)
+            args = json.loads(args) if args.strip() else {}
         except ValueError:
             return None
     if not isinstance(name, str) or not isinstance(args, dict) or (names and name not in names):
         return None
-    return ToolCall(name, json.dumps(args, ensure_ascii=False), _call_id())
+    return [ToolCall(name, json.dumps(args, ensure_ascii=False), _call_id())]
 
 
 def _json_values(text: str) -> list | None:
@@ -137,28 +267,64 @@ def _json_values(text: str) -> list | None:
         out.append(obj)
 
 
+def _values(text: str) -> list | None:
+    """_json_values, also for a call written with doubled braces (`{{"name": ...}}`, as templates that escape their
+    braces for str.format show the format): one outer pair peeled off, or every pair halved."""
+    got = _json_values(text)
+    t = text.strip()
+    if got is None and t.startswith("{{"):
+        if t.endswith("}}"):
+            got = _json_values(t[1:-1])
+        if got is None:
+            got = _json_values(t.replace("{{", "{").replace("}}", "}"))
+    return got
+
+
 def _calls(values, names) -> list[ToolCall] | None:
     flat = []
     for v in values:
         flat += v if isinstance(v, list) else [v]
     calls = [_as_call(v, names) for v in flat]
-    return calls if calls and all(c is not None for c in calls) else None
+    return [c for cs in calls for c in cs] if calls and all(c is not None for c in calls) else None
 
 
-def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
-    """(content, calls) of a finished answer; no calls: the text unchanged as content."""
+def _tail_calls(text: str, names: set[str]) -> list[ToolCall] | None:
+    """The calls `text` is made of (fenced JSON blocks and bare JSON values, whitespace between), or None."""
+    t = text.strip()
+    if t.startswith(PYTHON_TAG):
+        t = t[len(PYTHON_TAG):]
+    values, pos = [], 0
+    for m in _FENCE.finditer(t):
+        if m.group(1).lower() not in FENCE_LANGS:
+            return None
+        for part in (t[pos:m.start()], m.group(2)):
+            if part.strip():
+                got = _values(part)
+                if got is None:
+                    return None
+                values += got
+        pos = m.end()
+    rest = t[pos:]
+    if rest.strip():
+        got = _values(rest)
+        if got is None:
+            return None
+        values += got
+    return _calls(values, names) if values else None
+
+
+def _split(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
+    """(where the calls start, the calls) of a finished answer; (len(text), []) when it holds none."""
     i = text.find(HERMES_OPEN)
     if i >= 0:
         calls, rest = [], text[i:]
         for m in re.finditer(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", rest, re.S):
-            got = _calls(_json_values(m.group(1).strip()) or [None], names)
+            got = _tail_calls(m.group(1), names)
             if got is None:
-                return text, []
+                return len(text), []
             calls += got
         leftover = re.sub(re.escape(HERMES_OPEN) + r".*?(?:" + re.escape(HERMES_CLOSE) + r"|$)", "", rest, flags=re.S)
-        if calls and not leftover.strip():
-            return text[:i].strip(), calls
-        return text, []
+        return (i, calls) if calls and not leftover.strip() else (len(text), [])
     i = text.find(MISTRAL)
     if i >= 0:
         body = text[i + len(MISTRAL):].strip()
@@ -169,63 +335,124 @@ def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
             for part in text[i:].split(MISTRAL)[1:]:
                 name, sep, args = part.partition("[ARGS]")
                 vals = _json_values(args.strip()) if sep else None
-                c = _as_call({"name": name.strip(), "arguments": vals[0]}, names) if vals and len(vals) == 1 else None
+                c = _as_call({"name": name.strip(), "arguments": vals[0]}, names) \
+                    if vals and len(vals) == 1 else None
                 if c is None:
-                    return text, []
-                calls.append(c)
-        return (text[:i].strip(), calls) if calls else (text, [])
-    body = text.strip()
-    if body.startswith(PYTHON_TAG):
-        body = body[len(PYTHON_TAG):].strip()
-    if body.startswith(("{", "[")):  # Llama 3.x: the whole answer is the call (or calls)
-        values = _json_values(body)
-        calls = _calls(values, names) if values else None
+                    return len(text), []
+                calls += c
+        return (i, calls) if calls else (len(text), [])
+    # no markers: the answer ends in calls written as JSON, bare or fenced (Llama 3.x, and small models whatever
+    # their template shows); the first place from which the rest is nothing but calls
+    for m in _START.finditer(text):
+        calls = _tail_calls(text[m.start():], names)
         if calls:
-            return "", calls
-    return text, []
+            return m.start(), calls
+    return len(text), []
+
+
+def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+    """(content, calls) of a finished answer; no calls: the text unchanged as content. A call names one of the
+    request's tools with arguments that parse as a JSON object, and nothing but calls follows it; text that only
+    mentions a function is content."""
+    at, calls = _split(text, names)
+    return (text[:at].strip(), calls) if calls else (text, [])
+
+
+def _could_be_call(s: str, names: set[str]) -> bool | None:
+    """Whether `s` (from a possible call start on) may still turn out to be a call: True (it names one of the
+    tools, or starts with a marker: held to the end), None (not decided yet), False (it is not a call)."""
+    if s.startswith(MARKERS):
+        return True
+    if s.startswith("```"):
+        m = re.match(r"```([A-Za-z_]*)([ \t]*\r?\n)?", s)
+        lang = m.group(1).lower()
+        if m.group(2) is None:  # the language is still being written
+            return None if m.end() == len(s) and any(x.startswith(lang) for x in FENCE_LANGS) else False
+        if lang not in FENCE_LANGS:
+            return False
+        s = s[m.end():].lstrip()
+        if not s:
+            return None
+    m = re.match(r'\[?\s*\{\{?\s*("(?:[^"\\]|\\.)*)("?)', s)
+    if m is None:
+        return None if re.fullmatch(r"\[?\s*\{?\{?\s*", s) else False
+    key, closed = m.group(1)[1:], m.group(2)
+    if not closed:
+        return None if any(k.startswith(key) for k in CALL_KEYS) else False
+    if key not in CALL_KEYS:
+        return False
+    if key != "name":
+        return None  # decided at the end
+    rest = s[m.end():]
+    n = re.match(r'\s*(:\s*("(?:[^"\\]|\\.)*)?("?))?', rest)
+    if n.group(2) is None:
+        return None if n.end() == len(rest) else False
+    name, done = n.group(2)[1:], n.group(3)
+    if done:
+        return name in names or not names
+    return None if any(x.startswith(name) for x in names) or not names else False
 
 
 class ToolStream:
-    """Splits a streamed answer: `feed(text)` returns the text that is surely content; from a possible tool-call
-    start on, text is held until `end()`, which returns (content still to send, calls)."""
+    """Splits a streamed answer: `feed(text)` returns the text that is surely content; from a possible call start on
+    (a marker, a fence, a JSON object) text is held while it may still be a call of one of the tools, and, once it
+    names one, until `end()`, which returns (content still to send, calls)."""
 
     def __init__(self, names: set[str]) -> None:
         self.names = names
         self.sent = ""  # content passed on
-        self.held = ""
-        self.holding = False  # a marker (or a leading '{' / '[') was seen: everything from there waits for the end
+        self.held = ""  # text not passed on yet
+        self.holding = False  # a call was recognised: everything from there waits for the end
 
     def feed(self, text: str) -> str:
         self.held += text
         if self.holding:
             return ""
-        if not self.sent and self.held.lstrip().startswith(("{", "[")):
-            self.holding = True
-            return ""
-        for mk in MARKERS:
-            i = self.held.find(mk)
-            if i >= 0:
-                self.holding = True
-                out, self.held = self.held[:i], self.held[i:]
-                self.sent += out
-                return out
-        keep = 0  # a tail that may be the start of a marker waits for the next piece
-        for mk in MARKERS:
+        pos = 0
+        while True:
+            m = self._next_start(pos)
+            if m is None:
+                keep = self._partial_tail()
+                cut = max(pos, len(self.held) - keep)
+                break
+            verdict = _could_be_call(self.held[m:], self.names)
+            if verdict is False:
+                pos = m + 1
+                continue
+            cut = m
+            self.holding = verdict is True
+            break
+        while cut > 0 and self.held[cut - 1].isspace():  # whitespace waits: before calls it is no content
+            cut -= 1
+        out, self.held = self.held[:cut], self.held[cut:]
+        self.sent += out
+        return out
+
+    def _next_start(self, pos: int) -> int | None:
+        found = [i for i in (self.held.find(mk, pos) for mk in MARKERS) if i >= 0]
+        m = _START.search(self.held, pos)
+        if m is not None:
+            found.append(m.start())
+        return min(found) if found else None
+
+    def _partial_tail(self) -> int:
+        """How many characters at the end may begin a call start and wait for the next piece."""
+        keep = 0
+        for mk in (*MARKERS, "```"):
             for n in range(min(len(mk) - 1, len(self.held)), 0, -1):
                 if self.held.endswith(mk[:n]):
                     keep = max(keep, n)
                     break
-        if not self.sent and not self.held.strip():
-            keep = len(self.held)  # leading whitespace: the answer may still turn out to be a JSON call
-        out = self.held[:len(self.held) - keep]
-        self.held = self.held[len(self.held) - keep:]
-        self.sent += out
-        return out
+        m = re.search(r"[\[{]\s*\{?\s*\Z", self.held)
+        if m is not None:
+            keep = max(keep, len(self.held) - m.start())
+        return keep
 
     def end(self) -> tuple[str, list[ToolCall]]:
-        content, calls = parse(self.sent + self.held, self.names)
-        if calls:
-            return "", calls  # the content before the calls was sent already
+        text = self.sent + self.held
+        at, calls = _split(text, self.names)
+        if calls:  # the content before the calls that was held back, without the calls
+            return text[len(self.sent):at].rstrip() if at > len(self.sent) else "", calls
         rest, self.held = self.held, ""
         return rest, []
 
@@ -242,11 +469,24 @@ def answer_calls(body: dict, fin, names: set[str]) -> None:
         choice["finish_reason"] = "tool_calls"
 
 
-def call_deltas(call: ToolCall, index: int) -> list[dict]:
-    """A call as OpenAI streams it: the id and name with empty arguments, then the arguments."""
-    return [{"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                             "function": {"name": call.name, "arguments": ""}}]},
-            {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]}]
+_PIECES = re.compile(r'"?[^"]{0,11}')
+
+
+def argument_pieces(arguments: str) -> list[str]:
+    """A call's arguments in the small pieces OpenAI streams them in (about a token each: a dozen characters at
+    most); joined, the arguments."""
+    return [p for p in _PIECES.findall(arguments) if p]
+
+
+def call_deltas(call: ToolCall, index: int, role: bool = False) -> list[dict]:
+    """A call as OpenAI streams it: the id and name with empty arguments (with the assistant role when it opens the
+    answer, and content null), then the arguments in pieces."""
+    first = {"content": None, "tool_calls": [{"index": index, "id": call.id, "type": "function",
+                                              "function": {"name": call.name, "arguments": ""}}]}
+    if role:
+        first = {"role": "assistant", **first}
+    return [first] + [{"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
+                      for piece in argument_pieces(call.arguments)]
 
 
 # ------------------------------------------------------------------ forced calls (tool_choice required / named)
@@ -273,49 +513,99 @@ def _closed(tool: dict) -> dict:
     return params
 
 
-TRIGGERS = {"hermes": HERMES_OPEN, "mistral": MISTRAL}  # formats whose calls start with a marker
+# the layout of a call written without markers (a fence, a bare object): compact or pretty-printed as the model
+# likes (Qwen indents), whitespace bounded to one line break and an indent so that it cannot pad on and on
+LOOSE_STYLE = {"whitespace_flexible": True, "whitespace_pattern": r"(?:\r?\n)?[ ]{0,16}", "item_separator": ",",
+               "key_separator": ":"}
+_FENCE_OPEN = r"```(json)?[ \t]{0,16}\r?\n[ \t]{0,16}"
 
 
-def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None,
-                 parallel: bool = True) -> tuple[str, str] | None:
-    """(grammar, trigger) for tool_choice "auto" (or none given) with tools, in a format whose calls start with a
-    marker: the model writes freely, and once it writes the marker its call follows the tools' schemas (a lazy
-    grammar, server/grammar.py Lazy). None: nothing to enforce (other formats, no tools, "none"). 400 (param
-    tools[i]) as choice_grammar: a call that cannot be held to its schema is refused, not left unchecked."""
-    if tools is None or tool_choice not in (None, "auto"):
-        return None
-    trigger = TRIGGERS.get(call_format(template))
-    if trigger is None:
-        return None
-    return choice_grammar(tools, "required", template, parallel), trigger
+def _call_schema(tools: list[dict], chosen: list[tuple[int, dict]], key: str, outer: str = "") -> dict:
+    """The JSON Schema of one call of any `chosen` tool ({"name": const, key: parameters}); `outer`: where the call
+    sits in the schema llguidance reads (each function's `$ref`s are moved there). 400 naming tools[i]."""
+    from localspec.server.grammar import rebase, usable_schema
+
+    calls = []
+    for n, (i, t) in enumerate(chosen):
+        params, _ = usable_schema(_closed(t), f"tools[{i}].function.parameters", f"tools[{i}]")
+        at = outer + (f"/anyOf/{n}" if len(chosen) > 1 else "") + f"/properties/{key}"
+        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                       key: rebase(params, at)},
+                      "required": ["name", key], "additionalProperties": False})
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
 
 
-def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True) -> str | None:
-    """The llguidance grammar a tool_choice forces (None: "auto", "none" or no tools: the model chooses). "required":
-    one or more calls of any of the tools (one: `parallel` False, the request's parallel_tool_calls: false);
-    {"function": {"name": N}}: one call of N. 400 (param tools[i]) for a function schema llguidance cannot
-    compile."""
-    if tools is None or not (tool_choice == "required" or isinstance(tool_choice, dict)):
-        return None
+def _compile(lark: str, what: str) -> str:
     import llguidance
 
-    from localspec.server.grammar import JSON_STYLE, grammar_problem, rebase, usable_schema
+    from localspec.server.grammar import grammar_problem
+
+    try:
+        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
+        problem = grammar_problem(grammar)
+    except ValueError as exc:
+        problem = " ".join(str(exc).split())
+    if problem is not None:
+        raise APIError(400, f"tools: the functions' parameters cannot be enforced for {what}: {problem}",
+                       param="tools", code="unsupported_schema")
+    return grammar
+
+
+def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True, *,
+                 fmt: str | None = None) -> tuple[str, str] | None:
+    """(grammar, trigger) for tool_choice "auto" (or none given) with tools: the model writes freely, and once its
+    answer matches `trigger` (a regular expression: the format's marker, or the start of a call written as JSON,
+    fenced or bare, up to the name of one of the tools) the rest follows the grammar: calls whose arguments follow
+    the tools' schemas, then the end (a lazy grammar, server/grammar.py Lazy). `fmt`: the call format, when not the
+    template's (call_format). None: nothing to enforce (no tools, "none"). 400 (param tools[i]) as choice_grammar:
+    a call that cannot be held to its schema is refused, not left unchecked."""
+    if tools is None or tool_choice not in (None, "auto"):
+        return None
+    from localspec.server.grammar import JSON_STYLE
+
+    fmt = fmt or call_format(template)
+    key = "parameters" if fmt == "llama3" else "arguments"
+    chosen = list(enumerate(tools))
+    one = _call_schema(tools, chosen, key)
+    more = ' ("\\n" lcall)*' if parallel else ""
+    rules = [f"lcall: %json {json.dumps({**one, 'x-guidance': LOOSE_STYLE})}",
+             f"body: lcall{more} | \"{{\" lcall \"}}\"",
+             f"FENCE_OPEN: /{_FENCE_OPEN}/", "FENCE_CLOSE: /[ \\t]{0,16}\\r?\\n```/"]
+    alts, triggers = ["FENCE_OPEN body FENCE_CLOSE", "body"], []
+    if fmt == "hermes":
+        hmore = f' ("\\n{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}")*' if parallel else ""
+        alts.insert(0, f'"{HERMES_OPEN}\\n" call "\\n{HERMES_CLOSE}"{hmore}')
+        rules.append(f"call: %json {json.dumps({**one, 'x-guidance': JSON_STYLE})}")
+        triggers.append(re.escape(HERMES_OPEN))
+    elif fmt == "mistral":
+        many = {"type": "array", "items": _call_schema(tools, chosen, key, "/items"), "minItems": 1,
+                **({} if parallel else {"maxItems": 1})}
+        alts.insert(0, f'"{MISTRAL}" calls')
+        rules.append(f"calls: %json {json.dumps({**many, 'x-guidance': JSON_STYLE})}")
+        triggers.append(re.escape(MISTRAL))
+    names = "|".join(re.escape(t["function"]["name"]) for t in tools)
+    triggers.append(f'(?:{_FENCE_OPEN})?\\{{\\{{?\\s{{0,20}}"name"\\s{{0,4}}:\\s{{0,4}}"(?:{names})"')
+    lark = "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
+    return _compile(lark, "tool_choice auto"), "|".join(triggers)
+
+
+def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True, *,
+                   fmt: str | None = None) -> str | None:
+    """The llguidance grammar a tool_choice forces (None: "auto", "none" or no tools: the model chooses). "required":
+    one or more calls of any of the tools (one: `parallel` False, the request's parallel_tool_calls: false);
+    {"function": {"name": N}}: one call of N. `fmt`: the call format, when not the template's. 400 (param
+    tools[i]) for a function schema llguidance cannot compile."""
+    if tools is None or not (tool_choice == "required" or isinstance(tool_choice, dict)):
+        return None
+    from localspec.server.grammar import JSON_STYLE
 
     chosen = list(enumerate(tools))
     if isinstance(tool_choice, dict):
         chosen = [(i, t) for i, t in chosen if t["function"]["name"] == tool_choice["function"]["name"]]
         parallel = False
-    fmt = call_format(template)
+    fmt = fmt or call_format(template)
     key = "parameters" if fmt == "llama3" else "arguments"
-    outer = "/items" if fmt == "mistral" else ""  # where the call object sits in the format's schema
-    calls = []
-    for n, (i, t) in enumerate(chosen):
-        params, _ = usable_schema(_closed(t), f"tools[{i}].function.parameters", f"tools[{i}]")  # 400 naming it
-        at = outer + (f"/anyOf/{n}" if len(chosen) > 1 else "") + f"/properties/{key}"
-        calls.append({"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                                       key: rebase(params, at)},
-                      "required": ["name", key], "additionalProperties": False})
-    one = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    one = _call_schema(tools, chosen, key, "/items" if fmt == "mistral" else "")
     if fmt == "hermes":
         more = ' ("\\n" call)*' if parallel else ""
         lark = (f'start: call{more}\ncall: "{HERMES_OPEN}\\n" %json '
@@ -325,12 +615,4 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
         lark = f'start: "{MISTRAL}" %json {json.dumps({**many, "x-guidance": JSON_STYLE})}'
     else:
         lark = f'start: %json {json.dumps({**one, "x-guidance": JSON_STYLE})}'
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        problem = grammar_problem(grammar)
-    except ValueError as exc:
-        problem = " ".join(str(exc).split())
-    if problem is not None:
-        raise APIError(400, f"tools: the functions' parameters cannot be enforced for tool_choice: {problem}",
-                       param="tools", code="unsupported_schema")
-    return grammar
+    return _compile(lark, "tool_choice")
