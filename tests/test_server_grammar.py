@@ -76,7 +76,7 @@ def test_an_unsupported_schema_is_a_400_naming_it(open_api, fmt, words):
 def test_the_grammar_masks_each_verify_row_and_rolls_back():
     """The engine's hook on its own: drafts after the first refused one are dropped, each row gets the state after
     the drafts before it, and the matcher ends where it began."""
-    from localspec.core.engine import _grammar_masks
+    from localspec.core.generation import grammar_masks as _grammar_masks
     from localspec.drafters.base import Proposal
 
     class Digits:  # allows only the token "next digit" after a run: 1 then 2 then 3 ...
@@ -215,3 +215,92 @@ def test_an_optional_part_no_value_satisfies_is_cut_off(schema):
     assert m.consume_tokens([ord("{")])
     bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
     assert [bytes([int(b)]) for b in bits.nonzero()[0] if b < 256] == [b"}"]
+
+
+# ----------------------------------------------------------------- strict semantics: declared properties only
+def accepts(grammar: str, text: str) -> bool:
+    """Whether `grammar` takes `text` whole (on a byte tokenizer: the same for every model)."""
+    import llguidance
+
+    from localspec.server.grammar import _byte_tokenizer
+
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    return m.consume_tokens(list(text.encode())) and m.is_accepting()
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "pet": {"type": "object", "properties": {"kind": {"type": "string"}}}},
+          "required": ["name", "age"]}
+
+
+def fmt(schema):
+    return {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+
+
+def test_json_schema_allows_only_declared_properties_unless_it_says_otherwise():
+    from localspec.server.grammar import grammar_of
+
+    closed = grammar_of(fmt(PERSON))
+    assert accepts(closed, '{"name": "Ann", "age": 3}')
+    assert accepts(closed, '{"name": "Ann", "age": 3, "pet": {"kind": "cat"}}')
+    assert not accepts(closed, '{"name": "Ann", "age": 3, "city": "Oslo"}')
+    assert not accepts(closed, '{"name": "Ann", "age": 3, "pet": {"kind": "cat", "legs": 4}}')  # nested too
+    opened = grammar_of(fmt({**PERSON, "additionalProperties": True}))
+    assert accepts(opened, '{"name": "Ann", "age": 3, "city": "Oslo"}')
+    assert not accepts(opened, '{"name": "Ann", "age": 3, "pet": {"kind": "cat", "legs": 4}}')  # only where said
+    pet_open = {**PERSON, "properties": {**PERSON["properties"], "pet": {"type": "object", "properties": {
+        "kind": {"type": "string"}}, "additionalProperties": True}}}
+    assert accepts(grammar_of(fmt(pet_open)), '{"name": "Ann", "age": 3, "pet": {"kind": "cat", "legs": 4}}')
+    typed = grammar_of(fmt({**PERSON, "additionalProperties": {"type": "integer"}}))
+    assert accepts(typed, '{"name": "Ann", "age": 3, "n": 4}') and not accepts(typed, '{"name": "A", "age": 3, "n": "x"}')
+    # an object that declares no properties is any object; json_object too
+    free = grammar_of(fmt({"type": "object", "properties": {"meta": {"type": "object"}}}))
+    assert accepts(free, '{"meta": {"anything": [1, 2]}}')
+    assert accepts(grammar_of({"type": "json_object"}), '{"a": 1, "b": 2}')
+
+
+def test_defs_and_array_items_are_closed_and_the_schema_given_is_not_changed():
+    import copy
+
+    from localspec.server.grammar import grammar_of
+
+    schema = {"$defs": {"Pet": {"type": "object", "properties": {"kind": {"type": "string"}}, "required": ["kind"]}},
+              "type": "object", "properties": {"pets": {"type": "array", "items": {"$ref": "#/$defs/Pet"}}},
+              "required": ["pets"]}
+    before = copy.deepcopy(schema)
+    g = grammar_of(fmt(schema))
+    assert schema == before
+    assert accepts(g, '{"pets": [{"kind": "cat"}]}')
+    assert not accepts(g, '{"pets": [{"kind": "cat", "age": 2}]}') and not accepts(g, '{"pets": [], "x": 1}')
+
+
+def test_objects_built_from_parts_keep_each_parts_keys():
+    """allOf parts declare keys of one object: none of them may make the others' keys extra."""
+    from localspec.server.grammar import grammar_of
+
+    both = {"allOf": [{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                      {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]}
+    assert accepts(grammar_of(fmt(both)), '{"a": 1, "b": 2}')
+
+
+def test_json_schema_without_additional_properties_gives_only_the_declared_keys(open_api):
+    c = open_api.client(max_retries=0)
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
+              "required": ["colour"]}
+    for method in ("none", "draft"):
+        r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "the cat"}], max_tokens=60,
+                                      temperature=0, response_format=fmt(schema),
+                                      extra_body={"localspec": {"method": method}})
+        assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+        assert set(json.loads(r.choices[0].message.content)) <= {"colour", "n"}
+
+
+def test_tool_parameters_are_closed_at_every_level():
+    from localspec.server import tools as T
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"pet": {"type": "object", "properties": {"kind": {"type": "string"}}}},
+        "required": ["pet"]}}}
+    g = T.choice_grammar([tool], "required", None)
+    assert accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat"}}}')
+    assert not accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat", "legs": 4}}}')

@@ -45,7 +45,42 @@ def grammar_of(response_format) -> str | None:
     else:
         raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
                        param="response_format")
-    return usable_schema(schema, "response_format", "response_format")[1]
+    return usable_schema(closed(schema), "response_format", "response_format")[1]
+
+
+# subschema places: keys holding one schema, keys holding a list of them (allOf's are parts of one object)
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames", "additionalProperties",
+        "unevaluatedProperties", "unevaluatedItems")
+_MANY = ("anyOf", "oneOf", "prefixItems", "items")
+_OPEN = ("additionalProperties", "unevaluatedProperties", "patternProperties", "allOf", "anyOf", "oneOf", "$ref",
+         "if", "dependentSchemas")
+
+
+def closed(schema, _part: bool = False):
+    """`schema` with OpenAI's strict semantics (and llama-server's): an object schema that declares `properties`
+    allows those only, unless it says otherwise (`additionalProperties`, `patternProperties`...). JSON Schema's
+    default would let a model add keys until the token limit cuts the JSON. Left as they are: objects that
+    declare no properties (any object), and objects built from parts (allOf, a `$ref` beside properties, anyOf /
+    oneOf beside them), where a key one part declares would be extra to another."""
+    if isinstance(schema, list):
+        return [closed(x) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: closed(sub) for name, sub in v.items()}
+        elif k == "allOf" and isinstance(v, list):
+            out[k] = [closed(x, _part=True) for x in v]
+        elif k in _ONE or k in _MANY:
+            out[k] = closed(v)
+        else:
+            out[k] = v
+    if "properties" in out and not _part and not any(k in out for k in _OPEN):
+        out["additionalProperties"] = False
+    return out
 
 
 def usable_schema(schema, where: str, param: str) -> tuple[dict, str]:

@@ -505,12 +505,11 @@ def call_format(template: str | None) -> str:
 
 
 def _closed(tool: dict) -> dict:
-    """A function's parameters schema with its declared properties the only ones (unless it says otherwise): an
-    argument the function does not take would fail the call anyway (JSON Schema's default allows any extra)."""
-    params = dict(tool["function"].get("parameters") or {"type": "object", "properties": {}})
-    if "properties" in params and params.get("type", "object") == "object":
-        params.setdefault("additionalProperties", False)
-    return params
+    """A function's parameters schema with its declared properties the only ones, at every level (unless it says
+    otherwise; grammar.closed): an argument the function does not take would fail the call anyway."""
+    from localspec.server.grammar import closed
+
+    return closed(tool["function"].get("parameters") or {"type": "object", "properties": {}})
 
 
 # the layout of a call written without markers (a fence, a bare object): compact or pretty-printed as the model
