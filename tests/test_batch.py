@@ -1,6 +1,7 @@
 """Continuous batching (core/batch.py): several requests in one llama_decode give the texts they give alone."""
 
 
+import numpy as np
 import pytest
 
 from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
@@ -159,13 +160,122 @@ def test_what_takes_the_single_sequence_path(engine, batch):
     assert batch.single_reason(cfg_for("draft")) == ""  # the draft model drafts in the batch (test_batch_draft.py)
     c = cfg_for("none")
     c.constraint = object()
-    assert "grammar" in batch.single_reason(c)
-    # logprobs and logit_bias are computed in the single-sequence Engine's rows only: a batched request with them
-    # would get no logprobs and unbiased output
-    assert "logprobs" in batch.single_reason(cfg_for("lookup", logprobs=2))
-    assert "logit_bias" in batch.single_reason(cfg_for("lookup", logit_bias={5: -100.0}))
-    with pytest.raises(UsageError):
-        batch.add(engine.raw_prompt(PROMPTS[0]), c)
+    # a grammar, logprobs and logit_bias are a Generation's, wherever its rows are decoded
+    assert batch.single_reason(c) == ""
+    assert batch.single_reason(cfg_for("lookup", logprobs=2)) == ""
+    assert batch.single_reason(cfg_for("lookup", logit_bias={5: -100.0})) == ""
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["name", "n"], "additionalProperties": False}
+
+
+def mixed(engine):
+    """Four requests as agents send them: a JSON schema, a forced tool call, logprobs, and a plain one with a bias.
+    Each call gives new configs (a grammar is consumed by the run that uses it)."""
+    pytest.importorskip("llguidance")
+    from localspec.server.grammar import constraint_for
+    from localspec.server.tools import choice_grammar
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
+    schema = constraint_for({"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}, engine.target)
+    tool = choice_grammar(tools, {"type": "function", "function": {"name": "get_weather"}}, None, fmt="json")
+    from localspec.server.grammar import Grammar
+
+    return [
+        (PROMPTS[0], cfg_for("lookup", max_tokens=60, constraint=schema)),
+        (PROMPTS[1], cfg_for("auto", max_tokens=60, constraint=Grammar(tool, engine.target))),
+        (PROMPTS[2], cfg_for("auto", max_tokens=40, logprobs=3)),
+        (PROMPTS[3], cfg_for("lookup", max_tokens=40, logit_bias={5: -100.0, 7: 5.0})),
+    ]
+
+
+def test_grammar_tools_logprobs_and_bias_batch_together_and_answer_as_alone(engine, batch):
+    import json
+
+    seq = [alone(engine, p, c) for p, c in mixed(engine)]
+    seen = []  # the sequences of each decode
+    decode = batch.ms.decode
+
+    def recording(parts, **kw):
+        seen.append({p[0] for p in parts})
+        return decode(parts, **kw)
+
+    batch.ms.decode = recording
+    try:
+        got = batch.generate_all([(engine.raw_prompt(p), c) for p, c in mixed(engine)])
+    finally:
+        batch.ms.decode = decode
+    assert any(len(s) == 4 for s in seen)  # all four in one decode
+    for a, b in zip(seq, got):
+        assert b.tokens == a.tokens and b.text == a.text and b.finish_reason == a.finish_reason
+    assert set(json.loads(got[0].text)) == {"name", "n"}  # the grammar held it
+    assert "get_weather" in got[1].text
+    assert 5 not in got[3].tokens
+
+
+def test_logprobs_in_a_batch_are_the_rows_that_emitted_each_token(engine, batch):
+    from localspec.core.engine import Piece
+
+    cfg = cfg_for("lookup", max_tokens=30, logprobs=3)
+    want = [ev for ev in engine.generate(engine.raw_prompt(PROMPTS[2]), cfg) if isinstance(ev, Piece) and ev.token >= 0]
+    pieces = []
+    batch.add(engine.raw_prompt(PROMPTS[2]), cfg, sink=lambda ev: pieces.append(ev) if isinstance(ev, Piece) else None)
+    for p in PROMPTS[:3]:
+        if p != PROMPTS[2]:
+            batch.add(engine.raw_prompt(p), cfg_for("none", max_tokens=30))
+    while batch.active:
+        batch.step()
+    got = [ev for ev in pieces if ev.token >= 0]
+    assert [ev.token for ev in got] == [ev.token for ev in want]
+    for a, b in zip(got, want):
+        assert a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_a_grammar_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
+    import threading
+
+    reqs = mixed(engine)
+    seq = [alone(engine, p, c) for p, c in reqs]
+    stop = threading.Event()
+    results = {}
+    for i, (p, c) in enumerate(mixed(engine)):
+        def sink(ev, i=i):
+            if isinstance(ev, Finished):
+                results[i] = ev
+        batch.add(engine.raw_prompt(p), c, cancel=stop if i == 0 else None, sink=sink)
+    for _ in range(6):
+        batch.step()
+    stop.set()
+    while batch.active:
+        batch.step()
+    assert results[0].finish_reason == "cancelled"
+    assert results[0].tokens == seq[0].tokens[:len(results[0].tokens)]
+    for i in (1, 2, 3):
+        assert results[i].tokens == seq[i].tokens
+
+
+def test_a_bias_that_leaves_no_token_the_grammar_allows_fails_that_request_only(engine, batch):
+    """The request's own error reaches its sink; the others in the batch finish as alone."""
+    from localspec.errors import SettingError
+
+    pytest.importorskip("llguidance")
+    from localspec.server.grammar import constraint_for
+
+    con = constraint_for({"type": "json_object"}, engine.target)
+    allowed = np.flatnonzero(con.allowed()[:engine.target.n_vocab])
+    bad = cfg_for("none", max_tokens=20, constraint=con, logit_bias={int(t): -100.0 for t in allowed})
+    plain = alone(engine, PROMPTS[1], cfg_for("none", max_tokens=20))
+    events = {0: [], 1: []}
+    batch.add(engine.raw_prompt(PROMPTS[0]), bad, sink=events[0].append)
+    batch.add(engine.raw_prompt(PROMPTS[1]), cfg_for("none", max_tokens=20), sink=events[1].append)
+    while batch.active:
+        batch.step()
+    assert len(events[0]) == 1 and isinstance(events[0][0], SettingError) and "logit_bias" in str(events[0][0])
+    assert events[1][-1].tokens == plain.tokens
 
 
 def test_bad_prompts_are_errors_not_crashes(engine, batch):

@@ -75,7 +75,7 @@ def test_parse_configs_and_prompts(tmp_path):
 
 def test_run_bench_flags_a_broken_config(target_path, draft_path, monkeypatch):
     """A deliberately broken verifier (accepts every draft) must show up as a mismatch with its position."""
-    import localspec.core.engine as eng
+    import localspec.core.generation as eng
 
     e = Engine.load(target_path, draft_path, n_ctx=1024)
     try:
@@ -182,7 +182,7 @@ def test_audit_calls_a_real_near_tie_flip_numeric(tmp_path, monkeypatch):
 def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, monkeypatch, capsys):
     import io
 
-    import localspec.core.engine as eng
+    import localspec.core.generation as eng
     from localspec.cli.app import main
 
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))

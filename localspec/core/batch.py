@@ -14,8 +14,10 @@ Invariant per slot, as in core/engine.py: the slot's sequence holds every contex
 
 Speculation in a batch: prompt lookup (one drafter per slot, with its own index) and the draft model (one sequence
 per slot; every drafting slot's draft decodes share one batch: core/batch_draft.py); `method auto` chooses between
-them per slot. EAGLE-3/MTP heads, recurrent draft models and grammar-constrained requests take the single-sequence
-Engine (`single_reason` says why). The adaptive controller of each slot is timed by its share of the step's decode
+them per slot. Each request is a core/generation.py Generation, as on the single-sequence Engine, so structured
+output (a grammar), logprobs and logit_bias batch like any request. Draft heads (EAGLE-3, MTP, DFlash) read the
+hidden states of the target's own single-sequence context, and a recurrent draft model cannot roll back one
+sequence of several: those take the single-sequence Engine (`single_reason` says why). The adaptive controller of each slot is timed by its share of the step's decode
 time (the step's time times its rows over all rows) and prices a verify of b rows by what it costs the whole step
 (`_price_rows`: the passes llama.cpp makes of this slot at b rows beside the others, on the target's calibrated
 curve), so when the machine is compute-bound and other requests' rows fill the batch a drafted row costs what it
@@ -53,14 +55,11 @@ import numpy as np
 
 from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
-from localspec.core.engine import Engine, Finished, GenConfig, Piece, _env_allows_inexact, _fit_ctx
-from localspec.core.policy import AdaptivePolicy, FixedPolicy
-from localspec.core.sampling import Draws, probs, sample
-from localspec.core.stats import Stats
-from localspec.core.text import TextAssembler
-from localspec.core.verify import greedy_verify, keyed_verify, one_hot, speculative_sampling
+from localspec.core.engine import Engine, Finished, GenConfig, Piece  # noqa: F401 - Piece: part of the batch API
+from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
+from localspec.core.policy import AdaptivePolicy, FixedPolicy, build_policy
 from localspec.drafters import PromptLookupDrafter, Proposal
-from localspec.errors import ContextOverflowError, UsageError
+from localspec.errors import LocalspecError, UsageError
 from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
@@ -95,31 +94,13 @@ class ProbeResult:
         return self.exact, self.why
 
 
-class _Run:
-    """One request in a slot."""
+class _Run(Generation):
+    """One request in a slot: its Generation, the slot's sequence, and the prompt tokens not decoded yet."""
 
-    def __init__(self, seq: int, prompt: list[int], cfg: GenConfig, cancel, sink, stats: Stats, policy,
-                 prefill: list[int]) -> None:
+    def __init__(self, seq: int, prefill: list[int], *args, **kw) -> None:
+        super().__init__(*args, **kw)
         self.seq = seq
-        self.cfg = cfg
-        self.cancel = cancel
-        self.sink = sink
-        self.stats = stats
-        self.policy = policy
-        self.context = prompt  # grows; the last element is pending once the prompt is decoded
-        self.prefill = prefill  # prompt tokens not decoded yet
-        self.rng = np.random.default_rng(cfg.sampling.seed)
-        sp = cfg.sampling  # a seed: keyed draws, as on the Engine (the same answer with every method)
-        self.draws = Draws(sp.seed) if sp.seed is not None and not sp.greedy else None
-        self.text = TextAssembler(cfg.stop)
-        self.out: list[int] = []
-        self.finish: str | None = None
-        self.t0 = time.perf_counter()
-        self.step: tuple | None = None  # this step's (drafter, k, proposal, base, t_draft)
-
-    def source(self):
-        """What the next token (and the drafts after it) are drawn with."""
-        return self.draws.at(len(self.context)) if self.draws is not None else self.rng
+        self.prefill = prefill
 
 
 class BatchEngine:
@@ -177,10 +158,6 @@ class BatchEngine:
 
     def single_reason(self, cfg: GenConfig) -> str:
         """Why `cfg` takes the single-sequence Engine instead of a slot ('' when it can be batched)."""
-        if cfg.constraint is not None:
-            return "structured output (a grammar) runs on the single-sequence path"
-        if cfg.logprobs is not None or cfg.logit_bias:
-            return "logprobs and logit_bias run on the single-sequence path"
         method = self.engine.resolve_method(cfg)
         if method in SINGLE_METHODS and cfg.k > 0:
             return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
@@ -439,13 +416,8 @@ class BatchEngine:
             self.probe()  # clears the caches: only ever before the first request
         if self.single_reason(cfg):
             raise UsageError(self.single_reason(cfg))
-        prompt = [int(t) for t in prompt_tokens]
-        if not prompt:
-            raise UsageError("empty prompt")
-        if len(prompt) >= self.n_ctx:
-            raise ContextOverflowError(
-                f"prompt is {len(prompt)} tokens but the context holds {self.n_ctx}; "
-                f"use {{ctx_size}} {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt", "ctx_size")
+        prompt = check_prompt(prompt_tokens, self.n_ctx, cfg.max_tokens)
+        check_bias(cfg, self.target.n_vocab)
         free = [s for s, r in enumerate(self.runs) if r is None]
         if not free:
             raise UsageError("no free slot")
@@ -456,29 +428,19 @@ class BatchEngine:
             common -= 1  # the last prompt token is decoded again for its logits
         self.ms.truncate(seq, common)
         method = self.engine.resolve_method(cfg)
-        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
-        if method == "none" or k == 0:
-            policy, label = FixedPolicy(None, 0), "none"
-        else:
+        drafters = {}
+        if method != "none" and k > 0:
             d = self.lookups[seq]
             if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
                 d = self.lookups[seq] = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
             drafters = {"lookup": d} if method in ("auto", "lookup") else {}
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
-            if adaptive:
-                bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
-                k_max = cfg.k if bit_cap is not None else k
-                # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the
-                # calibrated curve); its live T(1) is the slot's share of a step
-                policy, label = AdaptivePolicy(drafters, k_max, self.controller_state, bit_cap=bit_cap), method
-            else:
-                label = "draft" if "draft" in drafters else "lookup"
-                policy = FixedPolicy(drafters[label], k)
-        stats = Stats(method=label, k_cap=k, exactness=level, exactness_reason=why)
+        # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
+        # curve); its live T(1) is the slot's share of a step
+        policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
+        stats = new_stats(cfg, label, k, level, why)
         stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
-        if label != "none" and k < cfg.k:
-            stats.reason = f"k capped at {k}: bigger verify batches are not bit-exact with this model/build"
         if method == "auto" and label != "none" and "draft" not in policy.drafters:
             stats.reason = "; ".join(x for x in (stats.reason, "batched: auto speculates with prompt lookup") if x)
         stats.prompt_tokens = len(prompt)
@@ -487,8 +449,8 @@ class BatchEngine:
         stats.running = True
         for drafter in policy.drafters.values():
             drafter.begin(prompt)
-        run = _Run(seq, prompt, cfg, cancel, sink or (lambda ev: None), stats, policy, prompt[common:])
-        self.runs[seq] = run
+        self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats,
+                              sink=sink or (lambda ev: None), cancel=cancel)
         return seq
 
     def _choose_slot(self, prompt: list[int], free: list[int]) -> int:
@@ -513,7 +475,7 @@ class BatchEngine:
         """One batched decode over every active slot; events go to the slots' sinks. Returns the rows decoded."""
         for run in self._live():
             if run.cancel is not None and run.cancel.is_set():
-                self._finish(run, "cancelled")
+                run.end("cancelled")
         ms = self.ms
         budget = ms.n_batch
         gen = [r for r in self._live() if not r.prefill]
@@ -521,29 +483,17 @@ class BatchEngine:
         budget -= len(gen)  # one row each for the pending tokens
         parts, owners, chosen = [], [], []
         for run in gen:
-            cfg, st = run.cfg, run.stats
-            remaining = cfg.max_tokens - st.completion_tokens
-            room = self.n_ctx - len(ms.tokens[run.seq]) - 1
-            if remaining <= 0 or room < 0:
-                self._finish(run, "length")
+            plan = run.plan(room=self.n_ctx - len(ms.tokens[run.seq]) - 1, budget=budget)
+            if plan is None:  # out of tokens or room
                 budget += 1
                 continue
-            drafter, k = run.policy.choose(run.context)
-            k = max(0, min(k, remaining - 1, room, budget))
-            budget -= k  # held for its drafts; what the drafter leaves unused comes back below
-            chosen.append((run, drafter, k))
+            budget -= plan[1]  # held for its drafts; what the drafter leaves unused comes back below
+            chosen.append((run, *plan))
         shared = self.drafts.draft(chosen) if self.drafts is not None else {}  # the draft model: all slots at once
         for run, drafter, k in chosen:
-            cfg, st = run.cfg, run.stats
-            td = time.perf_counter()
-            proposal = drafter.propose(run.context, k, cfg.sampling, run.source()) if (drafter is not None and k > 0) \
-                else Proposal()
-            t_draft = time.perf_counter() - td + shared.get(run.seq, 0.0)
-            st.draft_s += t_draft
-            budget += k - len(proposal.tokens)
-            base = len(ms.tokens[run.seq])
-            toks = [run.context[-1], *proposal.tokens]
-            run.step = (drafter, k, proposal, base, None if proposal.catch_up_s > 0.0 else t_draft)
+            toks = run.propose(drafter, k, shared.get(run.seq, 0.0))
+            budget += k - (len(toks) - 1)
+            run.step.base = len(ms.tokens[run.seq])
             parts.append((run.seq, toks, range(len(toks))))
             owners.append(run)
         limit = self._prefill_limit() if parts else self.prefill_chunk  # smaller beside generating requests
@@ -696,15 +646,17 @@ class BatchEngine:
     def _more_drafts(self, run: _Run, toks: list[int], r: int) -> list[int]:
         """A padded greedy prompt-lookup slot drafts into its padding where the lookup has more (rows the step
         pays for anyway); the proposal grows, its rows verified as any. Returns the slot's rows (pending + drafts)."""
-        drafter, k, proposal, base, t_draft = run.step
-        if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy:
+        step = run.step
+        drafter, proposal = step.drafter, step.proposal
+        if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy \
+                or not run.can_extend():
             return toks
         room = run.cfg.max_tokens - run.stats.completion_tokens - 1
         more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.source())
         if len(more.tokens) <= len(proposal.tokens) or list(more.tokens[:len(proposal.tokens)]) != \
                 list(proposal.tokens):
             return toks
-        run.step = (drafter, k, Proposal(list(more.tokens), None), base, t_draft)
+        step.proposal = Proposal(list(more.tokens), None)
         return [toks[0], *more.tokens]
 
     def _note_shapes(self, parts: list, owners: list) -> None:
@@ -753,83 +705,27 @@ class BatchEngine:
         return [r for r in self.runs if r is not None and r.finish is None]
 
     def _prefilled(self, run: _Run, chunk, rows, share: float) -> None:
-        st = run.stats
         del run.prefill[:len(chunk)]
         if run.prefill:
             return
-        st.prompt_s = time.perf_counter() - run.t0
-        sp = run.cfg.sampling
-        logits = rows[0]
-        first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), run.source())
-        st.ttft_s = time.perf_counter() - run.t0
-        if self.target.is_eog(first):
-            self._finish(run, "stop")
-            return
-        self._emit(run, first, False)
+        run.stats.prompt_s = time.perf_counter() - run.t0
+        self._guarded(run, run.start, rows[0])
 
     def _verified(self, run: _Run, rows, share: float) -> None:
-        drafter, k, proposal, base, t_draft = run.step
-        run.step = None
-        st, sp = run.stats, run.cfg.sampling
-        gamma = len(proposal.tokens)
-        rows = rows[:gamma + 1]  # past them: padding (_pad), rolled back with the rejected rows
-        if sp.greedy:
-            n_acc, nxt = greedy_verify(proposal.tokens, rows.argmax(axis=1))
-        elif run.draws is not None:
-            n_acc, nxt = keyed_verify(proposal.tokens, lambda i: probs(rows[i], sp), run.draws, len(run.context))
-        else:
-            p = np.stack([probs(r, sp) for r in rows])
-            q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, self.target.n_vocab)
-            n_acc, nxt = speculative_sampling(proposal.tokens, q, p, run.rng)
-        self.ms.truncate(run.seq, base + 1 + n_acc)
-        if drafter is not None and gamma:
-            drafter.accept(gamma, n_acc)
-        st.verify_s += share
-        if not gamma:
-            st.plain_s += share
-        st.record_step(gamma, n_acc)
-        st.method_used[drafter.name if (drafter is not None and gamma) else "none"] += 1
-        st.k_used[k if drafter is not None else 0] += 1
-        run.policy.observe(drafter, k, gamma, n_acc, t_draft, share)
-        switched = getattr(run.policy, "switched", None)
-        if switched and st.exactness == "bit":
-            st.exactness, st.k_cap = "lossless", run.cfg.k
-            st.exactness_reason = f"{switched} (from token {st.completion_tokens + 1})"
-        for tok, drafted in [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]:
-            if self.target.is_eog(tok):
-                self._finish(run, "stop")
-                return
-            if st.completion_tokens >= run.cfg.max_tokens:
-                self._finish(run, "length")
-                return
-            if self._emit(run, tok, drafted):
-                return
+        # past the drafts' rows: padding (_pad), rolled back with the rejected rows
+        self._guarded(run, run.verified, rows, lambda n: self.ms.truncate(run.seq, n), share=share)
 
-    def _emit(self, run: _Run, token: int, drafted: bool) -> bool:
-        """Emit one token; True when a stop string ended the answer."""
-        piece, stopped = run.text.push(self.target.piece(token))
-        run.out.append(token)
-        run.stats.token_emitted()
-        run.context.append(token)
-        run.sink(Piece(piece, token, drafted))
-        if stopped:
-            self._finish(run, "stop")
-        return stopped
-
-    def _finish(self, run: _Run, reason: str) -> None:
-        if run.finish is None:
-            run.finish = reason
+    @staticmethod
+    def _guarded(run: _Run, fn, *args, **kw) -> None:
+        """A request's own error (its bias leaves no token its grammar allows) ends that request, not the batch."""
+        try:
+            fn(*args, **kw)
+        except LocalspecError as exc:
+            run.fail(exc)
 
     def _release(self, run: _Run) -> None:
-        st = run.stats
-        st.elapsed_s = time.perf_counter() - run.t0
-        st.running = False
-        st.reason = "; ".join(x for x in (st.reason, run.policy.reason()) if x)
         self.runs[run.seq] = None
-        tail = run.text.flush()
-        if tail:
-            run.sink(Piece(tail, -1, False))
-        run.sink(Finished(run.text.text, run.out, run.finish, st))
+        run.close()
 
     def fail_all(self) -> list[_Run]:
         """Drop every active request (after an error in a step); their caches are cleared. Returns them."""

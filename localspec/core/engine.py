@@ -7,25 +7,23 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
-import numpy as np
-
 from localspec import defaults as D
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
-from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
-from localspec.core.sampling import Draws, SamplingParams, bias_vector, probs, sample, token_logprobs
+from localspec.core.generation import Finished, Generation, Piece, check_bias, check_prompt, new_stats
+from localspec.core.policy import Policy, build_policy, env_allows_inexact
+from localspec.core.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
-from localspec.core.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
-from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, Proposal
-from localspec.errors import ContextOverflowError, IncompatibleDraftError, SettingError, UsageError
+from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
+from localspec.errors import IncompatibleDraftError, LocalspecError, SettingError, UsageError
 from localspec.models.pair import check_pair
 
 
@@ -72,25 +70,6 @@ class GenConfig:
         if self.lookup_min < 1 or self.lookup_max < self.lookup_min:
             raise SettingError(f"need 1 <= {{lookup_min}} <= {{lookup_max}}, got {self.lookup_min} and "
                                f"{self.lookup_max}", ("lookup_min", "lookup_max"))
-
-
-@dataclass
-class Piece:
-    """Streamed text for one emitted token. `text` may be '' while a UTF-8 character is incomplete."""
-
-    text: str
-    token: int
-    drafted: bool  # True: an accepted draft token; False: the target's own choice
-    logprob: float | None = None  # with GenConfig.logprobs: the token's logprob in the row that emitted it
-    top: list[tuple[int, float]] | None = None  # ... and the likeliest (token, logprob) there, best first
-
-
-@dataclass
-class Finished:
-    text: str
-    tokens: list[int]
-    finish_reason: str  # "stop" | "length" | "cancelled"
-    stats: Stats
 
 
 class Engine:
@@ -347,7 +326,7 @@ class Engine:
         if self.rollback_notice(cfg):
             return 0, "bit", "bit: plain decoding (the model cannot roll back rejected tokens)"
         level = cfg.exactness
-        if level == "auto" and _env_allows_inexact():
+        if level == "auto" and env_allows_inexact():
             return k, "lossless", ("lossless: LOCALSPEC_ALLOW_INEXACT is set, so k is uncapped; "
                                    "only float reduction order differs from one-token decoding")
         if level == "lossless":
@@ -383,23 +362,16 @@ class Engine:
         """(policy, method, k): k is cfg.k, capped under bit exactness to what verifies bit-exactly (0 for plain
         decoding). `exactness`: exactness_for(cfg), when the caller has it already."""
         method = self.resolve_method(cfg)
-        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
         k = (exactness or self.exactness_for(cfg))[0] if method != "none" else 0
         if method == "none" or k == 0:
-            return FixedPolicy(None, 0), "none", k
-        drafters = self.drafters_for(cfg, method)
-        if adaptive:
-            if self.controller_state is None:
-                self.controller_state = {}
-            # exactness auto: bit-exact within the cap, until the controller measures that a bigger k pays
-            bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not _env_allows_inexact()) else None
-            k_max = cfg.k if bit_cap is not None else k
-            policy = AdaptivePolicy(drafters, k_max, self.controller_state, None, self.verify_costs(k_max + 1),
-                                    bit_cap=bit_cap)
-            return policy, method, k
-        if method == "auto":
-            method = next(iter(self.heads), None) or ("draft" if "draft" in drafters else "lookup")
-        return FixedPolicy(drafters[method], k), method, k
+            policy, label = build_policy(cfg, "none", 0, {}, None)
+            return policy, label, k
+        adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
+        if adaptive and self.controller_state is None:
+            self.controller_state = {}
+        policy, label = build_policy(cfg, method, k, self.drafters_for(cfg, method), self.controller_state,
+                                     self.verify_costs)
+        return policy, label, k
 
     # ------------------------------------------------------------- decoding
     def generate(
@@ -409,22 +381,12 @@ class Engine:
         cancel: threading.Event | None = None,
     ) -> Iterator[Piece | Finished]:
         """Stream Pieces, then one Finished. Output equals plain decoding of the target (token for token
-        at temperature 0; in distribution above 0)."""
+        at temperature 0; in distribution above 0). The request alone on the target's own context: each step
+        decodes its pending token and drafts in one batch (core/generation.py does the rest)."""
         cfg = cfg or GenConfig()
         target = self.target
-        sp = cfg.sampling
-        bias = bias_vector(cfg.logit_bias, target.n_vocab)
-        if bias is not None and np.isneginf(bias).all():  # nothing left to say: the request's error, before any work
-            raise SettingError("{logit_bias} bans every token of the model's vocabulary", "logit_bias")
-        rng = np.random.default_rng(sp.seed)
-        # a seed: the token at each position is the keyed draw there, whatever drafter and k the policy picks, so the
-        # answer is plain decoding's with that seed (sampling.Draws, verify.keyed_verify)
-        draws = Draws(sp.seed) if sp.seed is not None and not sp.greedy else None
-
-        def source():  # what the next token (and the drafts after it) are drawn with
-            return draws.at(len(context)) if draws is not None else rng
-
-        text = self._assembler = TextAssembler(cfg.stop)
+        prompt = check_prompt(prompt_tokens, target.n_ctx, cfg.max_tokens)
+        check_bias(cfg, target.n_vocab)  # nothing left to say: the request's error, before any work
         from localspec.core.exactness import ProbeCancelled
 
         try:
@@ -434,169 +396,57 @@ class Engine:
         _, level, why = exact
         policy, method, k_cap = self.make_policy(cfg, exact)
         self._hooked = list(policy.drafters.values())
-        stats = self.last_stats = Stats(method=method, k_cap=k_cap, exactness=level, exactness_reason=why)
+        stats = self.last_stats = new_stats(cfg, method, k_cap, level, why)
         stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
-        if method != "none" and stats.k_cap < cfg.k:
-            stats.reason = f"k capped at {stats.k_cap}: bigger verify batches are not bit-exact with this model/build"
         stats.reason = stats.reason or self.rollback_notice(cfg)
         stats.rollback = getattr(target, "rollback_kind", "kv")
         roll0 = _rollback_counters(target)
         draft0 = _rollback_counters(self.draft)
         if self.draft is not None and "draft" in policy.drafters:
             stats.draft_rollback = getattr(self.draft, "rollback_kind", "kv")
-        prompt = [int(t) for t in prompt_tokens]
-        if not prompt:
-            raise UsageError("empty prompt")
         stats.prompt_tokens = len(prompt)
-        if len(prompt) >= target.n_ctx:
-            raise ContextOverflowError(
-                f"prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
-                f"use {{ctx_size}} {_fit_ctx(len(prompt) + cfg.max_tokens)} or a shorter prompt", "ctx_size"
-            )
+        events: deque = deque()
         t0 = stats.started = time.perf_counter()
+        gen = Generation(target, prompt, cfg, policy, stats, sink=events.append, cancel=cancel, t0=t0)
+        self._assembler = gen.text
         stats.running = True
-        logits = target.sync(prompt)
-        stats.cached_prompt_tokens = target.reused
-        for d in self._hooked:
-            d.begin(prompt)
-        self._after_decode(*getattr(target, "last_replay", ((), 0)))
-        self._after_decode(prompt[target.reused:], target.reused)
-        stats.prompt_s = time.perf_counter() - t0
 
-        out_tokens: list[int] = []
-        context = prompt  # grows; the drafters see it, the last element is pending
-        finish = None
+        def truncate(n: int) -> None:
+            replay = target.truncate(n)  # recurrent/hybrid: may decode accepted tokens again
+            if replay:
+                self._after_decode(replay, target.last_replay[1])
 
-        def emit(token: int, drafted: bool, row):
-            piece, stopped = text.push(target.piece(token))
-            out_tokens.append(token)
-            stats.token_emitted()
-            ev = Piece(piece, token, drafted)
-            if cfg.logprobs is not None:
-                ev.logprob, ev.top = token_logprobs(row, token, cfg.logprobs)
-            return ev, stopped
-
-        con = cfg.constraint
-        banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
-        sp_draft = sp if bias is None else dataclasses.replace(sp, bias=bias)  # the drafters' rows get the bias too
-
-        def constrain(row, allowed):
-            return np.where(allowed[:len(row)], row, -np.inf)
-
-        if bias is not None:
-            logits = logits + bias[:len(logits)]
-        if con is not None:
-            logits = constrain(logits, con.allowed())
-        # first token from the prompt's last row
-        if (bias is not None or con is not None) and np.max(logits) == -np.inf:
-            first = NO_TOKEN
-        else:
-            first = int(np.argmax(logits)) if sp.greedy else sample(probs(logits, sp), source())
-        stats.ttft_s = time.perf_counter() - t0
-        if first == NO_TOKEN:
-            finish = _no_token_left(cfg, 0)
-        elif target.is_eog(first):
-            finish = "stop"
-        else:
-            if con is not None:
-                con.consume([first])
-            ev, stopped = emit(first, False, logits)
-            context.append(first)
-            yield ev
-            if stopped:
-                finish = "stop"
         try:
-            while finish is None:
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
+            logits = target.sync(prompt)
+            stats.cached_prompt_tokens = target.reused
+            for d in self._hooked:
+                d.begin(prompt)
+            self._after_decode(*getattr(target, "last_replay", ((), 0)))
+            self._after_decode(prompt[target.reused:], target.reused)
+            stats.prompt_s = time.perf_counter() - t0
+            failed = _guarded(gen.start, logits)
+            while events:
+                yield events.popleft()
+            while failed is None:
+                plan = gen.plan(room=target.n_ctx - len(target.tokens) - 1)  # room: what the cache takes after pending
+                if plan is None:
                     break
-                remaining = cfg.max_tokens - stats.completion_tokens
-                room = target.n_ctx - len(target.tokens) - 1  # tokens the cache can still take after pending
-                if remaining <= 0 or room < 0:
-                    finish = "length"
-                    break
-                drafter, k = policy.choose(context)
-                k = max(0, min(k, remaining - 1, room))
-                td = time.perf_counter()
-                proposal = drafter.propose(context, k, sp_draft, source()) if (drafter is not None and k > 0) \
-                    else Proposal()
-                masks = None
-                if banned and any(t in banned for t in proposal.tokens):  # the biased rows would reject them
-                    cut = next(i for i, t in enumerate(proposal.tokens) if t in banned)
-                    proposal = Proposal(proposal.tokens[:cut], None if proposal.q is None else proposal.q[:cut],
-                                        proposal.catch_up_s)
-                if con is not None:  # each verify row masked by the grammar state after the drafts before it
-                    proposal, masks = _grammar_masks(con, proposal)
+                batch = gen.propose(*plan)
                 tv = time.perf_counter()
-                gamma = len(proposal.tokens)
-                base = len(target.tokens)
-                batch = [context[-1], *proposal.tokens]
+                base = gen.step.base = len(target.tokens)
                 rows = target.decode(batch, "all", copy=False)  # used before the next decode
                 self._after_decode(batch, base)
-                if bias is not None:
-                    rows = rows + bias[:rows.shape[1]]
-                if masks is not None:
-                    rows = np.stack([constrain(r, m) for r, m in zip(rows, masks)])
-                if sp.greedy:
-                    top = rows.argmax(axis=1)
-                    if bias is not None or con is not None:  # rows that leave no token
-                        top[rows.max(axis=1) == -np.inf] = NO_TOKEN
-                    n_acc, nxt = greedy_verify(proposal.tokens, top)
-                elif draws is not None:
-                    n_acc, nxt = keyed_verify(proposal.tokens, lambda i: probs(rows[i], sp), draws, len(context))
-                else:
-                    p = np.stack([probs(r, sp) for r in rows])
-                    q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, target.n_vocab)
-                    n_acc, nxt = speculative_sampling(proposal.tokens, q, p, rng)
-                replay = target.truncate(base + 1 + n_acc)  # recurrent/hybrid: may decode accepted tokens again
-                if replay:
-                    self._after_decode(replay, target.last_replay[1])
-                if drafter is not None and gamma:
-                    drafter.accept(gamma, n_acc)
-                te = time.perf_counter()
-                stats.draft_s += tv - td
-                stats.verify_s += te - tv
-                if not gamma:
-                    stats.plain_s += te - tv
-                stats.record_step(gamma, n_acc)
-                if drafter is not None and gamma:
-                    stats.method_used[drafter.name] += 1
-                else:
-                    stats.method_used["none"] += 1
-                stats.k_used[k if drafter is not None else 0] += 1
-                policy.observe(drafter, k, gamma, n_acc, None if proposal.catch_up_s > 0.0 else tv - td, te - tv)
-                switched = policy.switched
-                if switched and stats.exactness == "bit":  # exactness auto left the bit cap: say so, and from where
-                    stats.exactness, stats.k_cap = "lossless", cfg.k
-                    stats.exactness_reason = f"{switched} (from token {stats.completion_tokens + 1})"
-                new = [(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)]
-                for i, (tok, drafted) in enumerate(new):
-                    if tok != NO_TOKEN and target.is_eog(tok):
-                        finish = "stop"
-                        break
-                    if stats.completion_tokens >= cfg.max_tokens:
-                        finish = "length"
-                        break
-                    if tok == NO_TOKEN:
-                        finish = _no_token_left(cfg, stats.completion_tokens)
-                        break
-                    if con is not None:
-                        con.consume([tok])
-                    ev, stopped = emit(tok, drafted, rows[i])
-                    context.append(tok)
-                    yield ev
-                    if stopped:
-                        finish = "stop"
-                        break
+                failed = _guarded(gen.verified, rows, truncate, t_start=tv)
+                while events:
+                    yield events.popleft()
+            if failed is not None:  # the request's own error, after the tokens emitted before it
+                raise failed
         finally:
-            stats.elapsed_s = time.perf_counter() - t0
-            stats.running = False
+            gen.settle()
             stats.add_rollback(roll0, _rollback_counters(target), draft0, _rollback_counters(self.draft))
-            stats.reason = "; ".join(x for x in (stats.reason, policy.reason()) if x)
-        tail = text.flush()
-        if tail:
-            yield Piece(tail, -1, False)
-        yield Finished(text.text, out_tokens, finish, stats)
+        gen.close()
+        while events:
+            yield events.popleft()
 
     @property
     def last_text(self) -> str:
@@ -612,36 +462,14 @@ class Engine:
         return result
 
 
-def _grammar_masks(con, proposal: Proposal) -> tuple[Proposal, list]:
-    """The grammar's allowed tokens for each verify row: row i after the first i drafts. Drafts after the first
-    one the grammar refuses are dropped (that one stays: its masked row rejects it, as speculative sampling
-    would); the matcher is rolled back to where it was."""
-    masks, n = [], 0
-    for t in proposal.tokens:
-        m = con.allowed()
-        masks.append(m)
-        if not m[t] or not con.consume([t]):
-            break
-        n += 1
-    if n == len(proposal.tokens):
-        masks.append(con.allowed())
-    else:
-        keep = n + 1
-        proposal = Proposal(proposal.tokens[:keep], None if proposal.q is None else proposal.q[:keep],
-                            proposal.catch_up_s)
-        masks.append(masks[-1])  # the row after a refused draft is never used
-    if n:
-        con.rollback(n)
-    return proposal, masks
-
-
-def _no_token_left(cfg: GenConfig, emitted: int) -> str:
-    """How an answer ends where logit_bias and the grammar leave no token to emit: the request's error when its bias
-    banned what the grammar allows (a banned token is never emitted); "stop" where the grammar alone allows none."""
-    if cfg.logit_bias:
-        raise SettingError(f"{{logit_bias}} bans every token the structured output allows at token {emitted + 1} of "
-                           "the answer", "logit_bias")
-    return "stop"
+def _guarded(fn, *args, **kw) -> LocalspecError | None:
+    """A request's own error (its bias leaves no token its grammar allows), held until the tokens before it are
+    out."""
+    try:
+        fn(*args, **kw)
+    except LocalspecError as exc:
+        return exc
+    return None
 
 
 def _can_rollback(model) -> bool:
@@ -652,14 +480,3 @@ def _rollback_counters(model) -> dict | None:
     counters = getattr(model, "rollback_counters", None)
     return counters() if counters is not None else None
 
-
-def _env_allows_inexact() -> bool:
-    """LOCALSPEC_ALLOW_INEXACT=1 (the older switch): `auto` exactness means lossless."""
-    return os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0")
-
-
-def _fit_ctx(n: int) -> int:
-    c = 512
-    while c < n:
-        c *= 2
-    return c

@@ -11,8 +11,9 @@ that loses is not used, but is probed now and then so it can win back.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from localspec.drafters.base import Drafter
 
@@ -408,3 +409,29 @@ class AdaptivePolicy:
         parts = ", ".join(f"{n} {s:.2f}x@k={k_}" for n, (k_, s) in self.estimates().items())
         head = f"auto -> {name}" + (f" k={k}" if k else "")
         return f"{head} ({parts})" if parts else head
+
+
+def env_allows_inexact() -> bool:
+    """LOCALSPEC_ALLOW_INEXACT=1 (the older switch): `auto` exactness means lossless."""
+    return os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0")
+
+
+def build_policy(cfg, method: str, k: int, drafters: dict[str, Drafter], state: dict | None,
+                 costs: Callable[[int], dict | None] | None = None) -> tuple[Policy, str]:
+    """(policy, method label) for a request: plain where `method` is none or `k` is 0; the adaptive controller
+    where the request asks for it (method auto by default), which starts at the bit cap `k` under exactness auto
+    and may leave it for up to cfg.k once it measures that it pays; else one drafter at k (auto without the
+    controller: a draft head, else the draft model, else prompt lookup). costs(upto): the target's verify-cost
+    curve T(b)/T(1) for b up to `upto` (None: priced by the scheduler each step)."""
+    if method == "none" or k == 0:
+        return FixedPolicy(None, 0), "none"
+    adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
+    if adaptive:
+        bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not env_allows_inexact()) else None
+        k_max = cfg.k if bit_cap is not None else k
+        curve = costs(k_max + 1) if costs is not None else None
+        return AdaptivePolicy(drafters, k_max, state, None, curve, bit_cap=bit_cap), method
+    if method == "auto":
+        heads = [d for d in drafters if d not in ("lookup", "draft")]
+        method = heads[0] if heads else ("draft" if "draft" in drafters else "lookup")
+    return FixedPolicy(drafters[method], k), method

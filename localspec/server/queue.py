@@ -3,7 +3,7 @@ Retry-After). A client that goes away cancels its generation within one decoding
 
 parallel 1: one generation at a time, in turn (the Engine). parallel N > 1: up to N requests decoded together by a
 BatchEngine (core/batch.py: one llama_decode a step over every active slot); requests join between steps, in the
-order they came. A request the batch cannot take (structured output, method draft/eagle3/mtp) waits until the
+order they came. A request the batch cannot take (a draft head: method eagle3/mtp/dflash) waits until the
 running ones are done, then runs alone on the Engine; requests behind it wait behind it (first come, first served).
 A cancelled request (its client went away) leaves its slot at the next step; the others go on unchanged."""
 
@@ -291,6 +291,11 @@ class Worker:
         last = [None]
 
         def sink(ev) -> None:
+            if isinstance(ev, Exception):  # the request's own error (the others in the batch go on)
+                job.done = True
+                self._failed(job, ev)
+                self.recent_s.append(time.perf_counter() - job.started)
+                return
             job.post(ev)
             if isinstance(ev, Piece) and m is not None:
                 now = time.perf_counter()
