@@ -389,3 +389,22 @@ def test_segments_with_tools_and_an_empty_call_turn_are_the_templates_own_text()
     segs = t.segments(msgs, tools=TOOLS)
     assert "".join(s.text for s in segs) == t.render(msgs, True, TOOLS)
     assert [s.text for s in segs if s.content] == ["Weather?", "rain <|im_end|>"]  # tool output stays plain text
+
+
+def test_tools_with_a_response_format_take_a_call_or_the_formats_json(open_api, monkeypatch):
+    """response_format with tools under auto: the answer is a call or JSON of the schema (one grammar over the
+    whole answer), not the schema's JSON only."""
+    from localspec.server.grammar import Grammar, Lazy
+    from test_server_responses import accepts
+
+    sc = Scripted(monkeypatch, open_api.session.engine, [WRITTEN["bare"]])
+    c = open_api.client(max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}}}
+    r = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS,
+                                  response_format=fmt)
+    assert r.choices[0].finish_reason == "tool_calls"
+    (con,) = sc.constraints
+    assert isinstance(con, Grammar) and not isinstance(con, Lazy)
+    assert accepts(con.grammar, '{"answer": "sunny"}') and accepts(con.grammar, WRITTEN["bare"])
+    assert not accepts(con.grammar, "It is sunny.")

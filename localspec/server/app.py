@@ -31,7 +31,7 @@ from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import Gate, Guard, HostCheck
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
-from localspec.server.grammar import Grammar, Lazy, constraint_for
+from localspec.server.grammar import Grammar, Lazy, constraint_for, schema_of
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
@@ -322,25 +322,28 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         return APIError(500, f"internal error: {type(exc).__name__}").response()
 
     # ------------------------------------------------------------ endpoints
-    def tool_constraint(tools, tool_choice, parallel: bool, response_format, taught: bool):
-        """The grammar a request's tools put on the answer: a forced call (tool_choice required / named), or under
-        auto (without response_format) a lazy one that holds a call to the tools' schemas once the model starts
-        one. `taught`: the model was told the Hermes format (T.for_template)."""
+    def tool_constraint(tools, tool_choice, parallel: bool, output: dict | None, taught: bool):
+        """The grammar a request's tools put on the answer: a forced call (tool_choice required / named); under
+        auto, a lazy one that holds a call to the tools' schemas once the model starts one, or, when the answer
+        must otherwise be JSON (`output`: response_format's schema), one that takes a call or that JSON. None: the
+        tools put none (response_format's own applies). `taught`: the model was told the Hermes format
+        (T.for_template)."""
         fmt = "hermes" if taught else None
         forced = T.choice_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt)
         if forced is not None:
             return Grammar(forced, engine.target)
-        lazy = T.auto_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt) \
-            if response_format is None else None
-        return Lazy(lazy[0], engine.target, lazy[1]) if lazy is not None else None
+        auto = T.auto_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt, output=output)
+        if auto is None:
+            return None
+        return Grammar(auto[0], engine.target) if auto[1] is None else Lazy(auto[0], engine.target, auto[1])
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
         msgs, taught = T.for_template(chat_messages(req), tools, template_of(engine))
-        con = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False, req.response_format,
-                              taught)
+        output = schema_of(req.response_format) if tools is not None else None
+        con = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught)
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
                               tools=names if tools is not None else None, logprobs=O.chat_logprobs,
@@ -360,8 +363,18 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         msgs = R.messages_of(req)
         if req.max_output_tokens is not None:
             req.max_tokens = req.max_output_tokens
-        return await gens.run(request, req, lambda eng: eng.chat_prompt(msgs), None, R.whole(name, req),
-                              stream=lambda *a: R.stream(name, req, *a))
+        tools, choice = R.chat_tools(req)
+        tools, names = T.check_tools(tools, choice)
+        msgs, taught = T.for_template(msgs, tools, template_of(engine))
+        output, grammar = R.output_format(req)
+        con = tool_constraint(tools, choice, req.parallel_tool_calls is not False, output, taught) \
+            if tools is not None else None
+        if con is None and grammar is not None:
+            con = Grammar(grammar, engine.target)
+        found = names if tools is not None else None
+        return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools), None,
+                              R.whole(name, req, found), stream=lambda *a: R.stream(name, req, found, *a),
+                              constraint=con)
 
     def model_object() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "localspec",

@@ -23,29 +23,41 @@ _TOKENIZERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
 
-def grammar_of(response_format) -> str | None:
-    """The llguidance grammar of a request's `response_format` (None: free text). 400 for a bad or unsupported
-    one."""
+def format_schema(response_format, param: str = "response_format") -> dict | None:
+    """The JSON Schema a request's `response_format` asks for (None: free text), as given. 400 for a bad or
+    unsupported one."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict) or not isinstance(response_format.get("type"), str):
         raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                       param="response_format")
+                       param=param)
     kind = response_format["type"]
     if kind == "text":
         return None
     if kind == "json_object":
-        schema = {"type": "object"}
-    elif kind == "json_schema":
+        return {"type": "object"}
+    if kind == "json_schema":
         js = response_format.get("json_schema")
         schema = js.get("schema") if isinstance(js, dict) else None
         if not isinstance(schema, dict):
-            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object",
-                           param="response_format")
-    else:
-        raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
-                       param="response_format")
-    return usable_schema(closed(schema), "response_format", "response_format")[1]
+            raise APIError(400, "response_format.json_schema.schema must be a JSON Schema object", param=param)
+        return schema
+    raise APIError(400, f"response_format.type {kind!r} is not supported; use text, json_object or json_schema",
+                   param=param)
+
+
+def schema_of(response_format, where: str = "response_format", param: str | None = None) -> dict | None:
+    """The schema to enforce for `response_format` (strict semantics: `closed`; parts no finite value satisfies
+    cut off), None for free text; 400 naming `param` (default `where`) for one llguidance cannot enforce."""
+    schema = format_schema(response_format, param or where)
+    return None if schema is None else usable_schema(closed(schema), where, param or where)[0]
+
+
+def grammar_of(response_format) -> str | None:
+    """The llguidance grammar of a request's `response_format` (None: free text). 400 for a bad or unsupported
+    one."""
+    schema = format_schema(response_format)
+    return None if schema is None else usable_schema(closed(schema), "response_format", "response_format")[1]
 
 
 # subschema places: keys holding one schema, keys holding a list of them (allOf's are parts of one object)

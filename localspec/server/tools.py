@@ -551,13 +551,15 @@ def _compile(lark: str, what: str) -> str:
 
 
 def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True, *,
-                 fmt: str | None = None) -> tuple[str, str] | None:
+                 fmt: str | None = None, output: dict | None = None) -> tuple[str, str | None] | None:
     """(grammar, trigger) for tool_choice "auto" (or none given) with tools: the model writes freely, and once its
     answer matches `trigger` (a regular expression: the format's marker, or the start of a call written as JSON,
     fenced or bare, up to the name of one of the tools) the rest follows the grammar: calls whose arguments follow
     the tools' schemas, then the end (a lazy grammar, server/grammar.py Lazy). `fmt`: the call format, when not the
-    template's (call_format). None: nothing to enforce (no tools, "none"). 400 (param tools[i]) as choice_grammar:
-    a call that cannot be held to its schema is refused, not left unchecked."""
+    template's (call_format). `output`: the JSON Schema the answer must follow when it is no call (the request's
+    response_format): then the whole answer follows the grammar, a call or that JSON, and the trigger is None.
+    None: nothing to enforce (no tools, "none"). 400 (param tools[i]) as choice_grammar: a call that cannot be held
+    to its schema is refused, not left unchecked."""
     if tools is None or tool_choice not in (None, "auto"):
         return None
     from localspec.server.grammar import JSON_STYLE
@@ -582,10 +584,14 @@ def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None, pa
         alts.insert(0, f'"{MISTRAL}" calls')
         rules.append(f"calls: %json {json.dumps({**many, 'x-guidance': JSON_STYLE})}")
         triggers.append(re.escape(MISTRAL))
+    if output is not None:
+        alts.append("out")
+        style = {**JSON_STYLE, **(output.get("x-guidance") or {})}
+        rules.append(f"out: %json {json.dumps({**output, 'x-guidance': style})}")
     names = "|".join(re.escape(t["function"]["name"]) for t in tools)
     triggers.append(f'(?:{_FENCE_OPEN})?\\{{\\{{?\\s{{0,20}}"name"\\s{{0,4}}:\\s{{0,4}}"(?:{names})"')
     lark = "start: " + " | ".join(alts) + "\n" + "\n".join(rules) + "\n"
-    return _compile(lark, "tool_choice auto"), "|".join(triggers)
+    return _compile(lark, "tool_choice auto"), None if output is not None else "|".join(triggers)
 
 
 def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, parallel: bool = True, *,
