@@ -72,6 +72,35 @@ def test_a_rejected_request_is_counted(open_api):
                                                                          outcome="failed")
 
 
+@pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x " * 9000, "max_tokens": 2}),
+                                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 9000}],
+                                                                 "max_tokens": 2})])
+def test_a_prompt_longer_than_the_context_is_a_client_error_not_a_failure(open_api, path, body):
+    """A 400 the client caused must not fire alerts on failed generations: /health and requests_total count it as
+    client_error."""
+    import json
+
+    before, health = scrape(open_api), open_api.health()["generations"]
+    status, _, err = open_api.raw("POST", path, json.dumps(body))
+    assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+    assert "8192" in err["error"]["message"] and "context size" in err["error"]["message"]
+    after, health2 = scrape(open_api), open_api.health()["generations"]
+    d = lambda o: v(after, "localspec:requests_total", outcome=o) - v(before, "localspec:requests_total", outcome=o)  # noqa: E731
+    assert d("failed") == 0 and d("client_error") == 1
+    assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
+
+
+def test_every_outcome_shows_from_the_start(session):
+    from localspec.server.config import ServerConfig
+
+    with serving(session, ServerConfig()) as s:
+        m = scrape(s)
+        for o in ("completed", "cancelled", "failed", "rejected", "client_error"):
+            assert ("localspec:requests_total", frozenset({("outcome", o)})) in m, o
+        assert s.health()["generations"] == {o: 0 for o in ("completed", "cancelled", "failed", "rejected",
+                                                             "client_error")}
+
+
 def test_no_metrics_turns_the_route_off_and_the_key_guards_it(session):
     from localspec.server.config import ServerConfig
 

@@ -24,7 +24,8 @@ from starlette.middleware.cors import CORSMiddleware
 
 from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
-from localspec.errors import LocalspecError, UsageError
+from localspec.core.generation import check_prompt
+from localspec.errors import ContextOverflowError, LocalspecError, UsageError
 from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tools as T
@@ -122,6 +123,28 @@ class Generations:
                              speculative=self.base.get("method", "auto") != "none")
         self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
         self.worker.metrics = self.metrics
+        self.worker.counts.setdefault("client_error", 0)
+
+    def client_error(self) -> None:
+        """Count a request refused for what it asked (metrics.OUTCOMES): not a failed generation."""
+        self.worker.counts["client_error"] += 1
+        if self.metrics is not None:
+            self.metrics.requests.labels(outcome="client_error").inc()
+
+    async def prompt(self, build, cfg: GenConfig) -> list[int]:
+        """The request's prompt tokens, built off the event loop (template and tokenizer only read the model, as
+        llama-server tokenizes beside its decoding), checked against the context before the request queues: a
+        prompt the context cannot hold is a 400 counted as client_error, not a failed generation."""
+        try:
+            tokens = await asyncio.to_thread(build, self.engine)
+            return check_prompt(tokens, self.engine.target.n_ctx, cfg.max_tokens)
+        except ContextOverflowError as exc:
+            self.client_error()
+            raise setting_error(exc, code="context_length_exceeded") from None
+        except UsageError as exc:
+            raise setting_error(exc) from None
+        except LocalspecError as exc:
+            raise setting_error(exc, 500) from None
 
     def check_model(self, model: str | None) -> None:
         """Any name is served by the one loaded pair (as llama-server does), unless strict_model: then 404."""
@@ -167,7 +190,8 @@ class Generations:
         `constraint`: the grammar of a forced tool call (server/tools.py)."""
         cfg = self.gen_config(req, constraint)
         lp = Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
-        job = Job(build, cfg, asyncio.get_running_loop(), asyncio.Queue())
+        tokens = await self.prompt(build, cfg)
+        job = Job(lambda eng: tokens, cfg, asyncio.get_running_loop(), asyncio.Queue())
         self.worker.submit(job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cid = uuid.uuid4().hex[:24]
