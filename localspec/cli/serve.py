@@ -40,7 +40,7 @@ def serve(
     queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
     chat_template: TemplateOpt = None,
     allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", envvar="LOCALSPEC_ALLOWED_HOSTS", help="Host header names accepted besides the bound address and localhost, comma-separated (* = any; env LOCALSPEC_ALLOWED_HOSTS).", show_default=False)] = None,
-    cors_origins: Annotated[Optional[str], typer.Option("--cors-origins", help="Browser origins allowed to call the API, comma-separated, e.g. http://localhost:5173 (* = any; default: none).", show_default=False)] = None,
+    cors_origins: Annotated[Optional[str], typer.Option("--cors-origins", help="Browser origins allowed to call the API, comma-separated, e.g. http://localhost:5173 (localhost = pages on this machine, any port; * = any; default: none).", show_default=False)] = None,
     max_k: Annotated[Optional[int], typer.Option("--max-k", help="Largest per-request localspec.k (default: -k).", show_default=False)] = None,
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
     no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
@@ -52,7 +52,8 @@ def serve(
     from localspec.server.config import ServerConfig
     from localspec.session import Session
 
-    config = ServerConfig(parallel=parallel, kv_layout=kv_layout).check()  # bad values before anything loads
+    config = ServerConfig(parallel=parallel, kv_layout=kv_layout,  # bad values before anything loads
+                          cors_origins=cors_origins or ()).check()
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
         temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,

@@ -30,7 +30,7 @@ from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
-from localspec.server.guard import Gate, Guard, HostCheck
+from localspec.server.guard import LOCAL_ORIGIN, Gate, Guard, HostCheck, is_local_keyword
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
 from localspec.server.grammar import Grammar, Lazy, constraint_for, schema_of
 from localspec.server.metrics import Metrics
@@ -319,7 +319,9 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     app = FastAPI(title="localspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.add_middleware(Guard, api_key=cfg.api_key, max_body=cfg.max_body)  # innermost
     if cfg.cors_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=list(cfg.cors_origins), allow_methods=["GET", "POST"],
+        local = any(is_local_keyword(o) for o in cfg.cors_origins)
+        app.add_middleware(CORSMiddleware, allow_origins=[o for o in cfg.cors_origins if not is_local_keyword(o)],
+                           allow_origin_regex=LOCAL_ORIGIN if local else None, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600)
     app.add_middleware(Gate, host_ok=HostCheck(cfg.host, cfg.allowed_hosts or ()), cors_origins=cfg.cors_origins)
     app.state.worker = worker

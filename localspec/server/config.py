@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,6 +28,10 @@ POLL_S = 0.1  # how often a waiting non-streamed request checks that its client 
 ALIASES = ("localspec",)  # model names accepted besides the served model's id and its target file name
 ALLOWED_HOSTS_ENV = "LOCALSPEC_ALLOWED_HOSTS"
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")  # Host header names always accepted
+# --cors-origins entries besides origins: "*" (any page) and "localhost" (llama-server's keyword: pages served from
+# this machine, any port, http or https)
+CORS_ANY, CORS_LOCAL = "*", "localhost"
+_ORIGIN = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s]+/?", re.I)
 
 
 def split_list(raw: str | None) -> tuple[str, ...]:
@@ -39,8 +44,8 @@ class ServerConfig:
     """What `localspec serve` needs besides the session.
 
     allowed_hosts: Host header names accepted besides the bound host and loopback names ("*": any); None reads
-    LOCALSPEC_ALLOWED_HOSTS. cors_origins: browser origins allowed to call the API ("*": any; default none: a
-    request with an Origin header is refused). max_k: the largest per-request `localspec.k` (None: the session's
+    LOCALSPEC_ALLOWED_HOSTS. cors_origins: browser origins allowed to call the API ("*": any; "localhost": pages on
+    this machine, any port; default none: a request with an Origin header is refused). max_k: the largest per-request `localspec.k` (None: the session's
     draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve.
     no_metrics: no GET /metrics (Prometheus)."""
 
@@ -81,6 +86,10 @@ class ServerConfig:
             raise UsageError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
         if self.max_k is not None and self.max_k < 1:
             raise UsageError(f"max k must be >= 1, got {self.max_k}")
+        for o in self.cors_origins:  # an entry that is no origin would match no page, silently
+            if o not in (CORS_ANY, CORS_LOCAL) and o.lower() != CORS_LOCAL and not _ORIGIN.fullmatch(o):
+                raise UsageError(f"--cors-origins: {o!r} is not an origin; give scheme://host[:port] (e.g. "
+                                 "http://localhost:5173), localhost (pages on this machine, any port) or *")
         return self
 
     def resolved(self, default_k: int, on_gpu: bool = False) -> "ServerConfig":

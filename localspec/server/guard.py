@@ -17,7 +17,7 @@ import re
 import socket
 import uuid
 
-from localspec.server.config import LOOPBACK_NAMES
+from localspec.server.config import CORS_ANY, CORS_LOCAL, LOOPBACK_NAMES
 from localspec.server.openai import error_body
 
 WILDCARDS = ("", "0.0.0.0", "::", "[::]")
@@ -87,6 +87,14 @@ def origin_of(value: str) -> str:
     return value.strip().lower().rstrip("/")
 
 
+# the origins --cors-origins localhost lets in: a page on this machine, any port (for CORSMiddleware and the Gate)
+LOCAL_ORIGIN = r"(?i)https?://(?:localhost|127\.0\.0\.1|\[::1\])(?::\d{1,5})?"
+
+
+def is_local_keyword(entry: str) -> bool:
+    return entry.strip().lower() == CORS_LOCAL
+
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -104,8 +112,13 @@ class Gate:
     def __init__(self, app, host_ok: HostCheck, cors_origins=()) -> None:
         self.app = app
         self.host_ok = host_ok
-        self.any_origin = "*" in cors_origins
-        self.origins = {origin_of(o) for o in cors_origins if o != "*"}
+        self.any_origin = CORS_ANY in cors_origins
+        self.local = any(is_local_keyword(o) for o in cors_origins)
+        self.origins = {origin_of(o) for o in cors_origins if o != CORS_ANY and not is_local_keyword(o)}
+
+    def origin_ok(self, origin: str) -> bool:
+        o = origin_of(origin)
+        return self.any_origin or o in self.origins or (self.local and re.fullmatch(LOCAL_ORIGIN, o) is not None)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -127,7 +140,7 @@ class Gate:
                 f"Host {host!r} is not this server: requests must name it (localhost, its address) or one of its "
                 "allowed hosts (LOCALSPEC_ALLOWED_HOSTS)", code="host_not_allowed"))
         origin = headers.get(b"origin")
-        if origin is not None and not self.any_origin and origin_of(origin.decode("latin-1")) not in self.origins:
+        if origin is not None and not self.origin_ok(origin.decode("latin-1")):
             shown = origin.decode("latin-1")
             return await reply(send, 403, error_body(
                 f"requests from web pages at {shown!r} are refused: that origin is not among this server's allowed "
