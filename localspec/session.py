@@ -25,7 +25,8 @@ from localspec.llama import aborts  # hooks only: no llama_cpp import
 from localspec.llama.threads import check_threads
 from localspec.models import download, registry
 from localspec.models import hubname as hfname
-from localspec.models.spec import FileSpec, printable
+from localspec.models.spec import FileSpec
+from localspec.printable import printable
 from localspec import rpcwire as rpc
 from localspec.settings import Setting
 from localspec.store import history
@@ -155,7 +156,7 @@ def validate(v: dict[str, Any]) -> None:
 def gen_config(v: dict[str, Any], stop=None):
     """The engine's GenConfig from resolved setting values (validated there); unset values take the defaults."""
     from localspec.core.engine import GenConfig
-    from localspec.core.sampling import SamplingParams
+    from localspec.sample.sampling import SamplingParams
 
     def val(key, default):
         return default if v.get(key) is None else v[key]

@@ -7,7 +7,7 @@ import pytest
 from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine, Finished, GenConfig, Piece
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.errors import ContextOverflowError, UsageError
 
 N = 120

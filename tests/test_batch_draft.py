@@ -8,7 +8,7 @@ import pytest
 from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine, GenConfig
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.errors import UsageError
 
 N = 100
@@ -223,7 +223,7 @@ def test_a_draft_that_ends_the_answer_stops_drafting_for_its_slot(twin):
     import dataclasses
 
     from localspec.core.batch_draft import BatchDraft
-    from localspec.core.sampling import bias_vector
+    from localspec.sample.sampling import bias_vector
 
     engine, _ = twin
     eog = next(t for t in range(engine.target.n_vocab) if engine.target.is_eog(t))

@@ -7,7 +7,7 @@ from conftest import N_EXACT, PROMPTS
 from localspec.llama.model import Model
 from localspec.core.engine import Engine, Finished, GenConfig, Piece, TextAssembler
 from localspec.errors import ContextOverflowError, IncompatibleDraftError, UsageError
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")

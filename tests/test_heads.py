@@ -216,7 +216,7 @@ def test_long_prompt_in_chunks_and_sampling(bigram, agreeing_head):
     """A prompt longer than n_batch (the hook sees only the last chunk's hidden states) and temperature > 0 (the
     head's distribution goes through the same rejection sampling)."""
     from localspec.core.engine import Engine, GenConfig
-    from localspec.core.sampling import SamplingParams
+    from localspec.sample.sampling import SamplingParams
     from localspec.drafters.eagle3 import Eagle3Drafter
     from localspec.llama.model import Model
 
@@ -317,7 +317,7 @@ def test_mtp_flags_leave_target_logits_bit_identical(mtp_agree):
 
 
 def test_mtp_in_auto_and_with_sampling(mtp_agree):
-    from localspec.core.sampling import SamplingParams
+    from localspec.sample.sampling import SamplingParams
 
     r, plain = _mtp_run(mtp_agree, PROMPTS[1], method="auto")
     assert r.tokens == plain
@@ -374,7 +374,7 @@ def test_chained_mtp_layers(heads_dir, bigram, layers):
 
 
 def test_chained_mtp_with_sampling(heads_dir):
-    from localspec.core.sampling import SamplingParams
+    from localspec.sample.sampling import SamplingParams
 
     path = write_mimo2_mtp(heads_dir / "mimo2-sampling.gguf", 7)
     r, _ = _mtp_run(path, PROMPTS[0], k=2, sampling=SamplingParams(temperature=0.7, seed=3))
@@ -500,7 +500,7 @@ def test_dflash_block_size_caps_k(heads_dir, bigram):
 
 def test_dflash_in_auto_long_prompt_and_sampling(bigram, dflash_agree):
     from localspec.core.engine import Engine, GenConfig
-    from localspec.core.sampling import SamplingParams
+    from localspec.sample.sampling import SamplingParams
     from localspec.drafters.dflash import DFlashDrafter
     from localspec.llama.model import Model
 

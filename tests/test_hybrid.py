@@ -10,7 +10,7 @@ import pytest
 
 from conftest import PROMPTS
 from localspec.core.engine import Engine, GenConfig
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.drafters.base import Drafter, Proposal
 from localspec.llama.lib import ll
 from localspec.llama.model import Model

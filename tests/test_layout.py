@@ -12,12 +12,17 @@ PKG = Path(__file__).resolve().parent.parent / "localspec"
 
 # rank of each part of the package; a module may import modules of its own rank or lower, never higher
 LAYERS = [
-    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire", "localspec.defaults")),  # leaves: no localspec imports
-    (1, ("localspec.llama",)),
-    (2, ("localspec.core", "localspec.drafters", "localspec.models", "localspec.store", "localspec.bench",
-         "localspec.rpc")),
-    (3, ("localspec.settings", "localspec.session")),
-    (4, ("localspec.cli", "localspec.tui", "localspec.server", "localspec.__main__")),
+    (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire", "localspec.defaults",
+         "localspec.printable", "localspec.sample")),  # leaves: no localspec imports but errors
+    (1, ("localspec.llama",)),  # the only llama_cpp importer
+    (2, ("localspec.drafters", "localspec.store")),  # drafters decode with sample/, on llama objects
+    (3, ("localspec.models",)),
+    (4, ("localspec.rpc",)),
+    (5, ("localspec.core",)),  # the generation loop: drafters below it, never the other way
+    (6, ("localspec.bench",)),
+    (7, ("localspec.settings",)),
+    (8, ("localspec.session",)),
+    (9, ("localspec.cli", "localspec.tui", "localspec.server", "localspec.__main__")),
 ]
 # third-party libraries that belong to one layer only
 OWNERS = {
@@ -146,6 +151,52 @@ def test_import_graph_has_no_cycle():
 def test_the_cycle_check_sees_a_cycle():
     assert find_cycle({"a": ["b"], "b": ["c"], "c": ["a"]}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": ["b"], "b": []}) is None
+
+
+def package(mod: str) -> str:
+    """The part of the package a module belongs to: localspec.core.engine -> localspec.core."""
+    return ".".join(mod.split(".")[:2])
+
+
+def package_graph(g: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
+    g = local_graph() if g is None else g
+    out: dict[str, set[str]] = {}
+    for m, imps in g.items():
+        out.setdefault(package(m), set()).update(package(i) for i in imps if package(i) != package(m))
+    return {p: sorted(v) for p, v in out.items()}
+
+
+def package_problems(g: dict[str, list[str]]) -> list[str]:
+    """What is wrong with a module graph at the level of packages: a cycle between packages, or an import up the
+    layers."""
+    pg = package_graph(g)
+    bad = [f"{p} imports {q} (layer {rank(q)} above {rank(p)})" for p, qs in pg.items() for q in qs
+           if rank(q) > rank(p)]
+    cycle = find_cycle(pg)
+    if cycle:
+        bad.append("package cycle: " + " -> ".join(cycle))
+    return bad
+
+
+def test_the_packages_form_a_dag_down_the_layers():
+    """Not only modules: a package that imports another may not be imported by it (core and drafters, llama and rpc,
+    store and models were such pairs)."""
+    assert package_problems(local_graph()) == []
+
+
+def test_the_package_check_fails_on_a_planted_upward_import():
+    g = {m: list(v) for m, v in local_graph().items()}
+    g["localspec.drafters.base"].append("localspec.core.engine")  # a drafter reaching up into the core
+    problems = package_problems(g)
+    assert any("localspec.drafters imports localspec.core" in p for p in problems)
+    assert any(p.startswith("package cycle:") for p in problems)
+
+
+def test_the_leaves_import_nothing_of_localspec_but_errors():
+    pg = package_graph()
+    for leaf in ("localspec.sample", "localspec.rpcwire", "localspec.defaults", "localspec.printable",
+                 "localspec.seq"):
+        assert set(pg.get(leaf, [])) <= {"localspec.errors"}, (leaf, pg.get(leaf))
 
 
 def longest_path(g: dict[str, list[str]]) -> list[str]:

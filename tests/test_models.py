@@ -411,7 +411,7 @@ def no_controls(text: str) -> None:
 def test_model_file_strings_are_shown_without_control_characters(env):
     """`models info` printed a general.name holding OSC/CSI escapes raw (on a terminal: a new title, a cleared
     screen); so did `models list` and `models add` with such a file name. --json keeps the exact value, escaped."""
-    from localspec.models.spec import printable
+    from localspec.printable import printable
 
     assert printable(f"tiny{EVIL}") == "tiny ]0;pwned  [2J" and printable("a\x9b2Jb\x7f") == "a 2Jb "  # C1 CSI, DEL
     assert printable("Qwen2.5 — 1.5B") == "Qwen2.5 — 1.5B"

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from localspec.core.engine import Engine, GenConfig
-from localspec.core.sampling import Draws, SamplingParams, probs
+from localspec.sample.sampling import Draws, SamplingParams, probs
 
 N = 24
 TEMPERATURE = 0.9

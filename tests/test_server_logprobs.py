@@ -13,7 +13,7 @@ import pytest
 
 from conftest import PROMPTS
 from localspec.core.engine import Engine, GenConfig, Piece
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.errors import SettingError
 
 N = 24
@@ -67,7 +67,7 @@ def test_logprobs_sum_sensibly(engine):
         assert lps == sorted(lps, reverse=True)
         assert 0 < sum(math.exp(x) for x in lps) <= 1 + 1e-9
     # the whole distribution of a row sums to 1
-    from localspec.core.sampling import token_logprobs
+    from localspec.sample.sampling import token_logprobs
 
     row = np.random.default_rng(0).normal(size=50).astype(np.float32)
     _, top = token_logprobs(row, 3, 50)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from localspec.core.sampling import Draws, SamplingParams, probs, sample, token_logprobs
-from localspec.core.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
+from localspec.sample.sampling import Draws, SamplingParams, probs, sample, token_logprobs
+from localspec.sample.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
 
 
 def test_greedy_accepts_prefix_then_target_token():

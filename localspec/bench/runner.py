@@ -17,7 +17,7 @@ import numpy as np
 from localspec.core.engine import Engine, GenConfig
 from localspec.core.report import bench_figures
 from localspec.errors import UsageError
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
 

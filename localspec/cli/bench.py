@@ -176,7 +176,7 @@ def _tune(sess, *, prompts, ks, p_mins, max_tokens, limit):
     try:
         progress = _Progress(console, "tuning")
         key = tuned_key(sess["model"], sess.pair)
-        from localspec.models.spec import printable
+        from localspec.printable import printable
 
         name = sess.pair.name if sess.pair is not None else sess.target_path.name
         if sess.draft_path is not None:

@@ -49,7 +49,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
     if as_json:
         typer.echo(json.dumps(report, indent=1))
         return
-    from localspec.models.spec import printable
+    from localspec.printable import printable
 
     def say(line: str) -> None:  # device and model names come from drivers and files: no escapes reach the terminal
         typer.echo(printable(line))

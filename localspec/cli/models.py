@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from localspec.errors import UsageError
-from localspec.models.spec import printable
+from localspec.printable import printable
 
 models_app = typer.Typer(help="List, download, inspect and add model pairs.", no_args_is_help=True)
 

@@ -64,7 +64,7 @@ def quiet_pipe() -> None:
 
 
 def err(msg: str) -> None:
-    from localspec.models.spec import printable
+    from localspec.printable import printable
 
     sys.stderr.write(f"error: {printable(msg)}\n")  # messages quote file names and model files' strings
     sys.stderr.flush()

@@ -30,7 +30,7 @@ class Status:
 
     def info(self, msg: str) -> None:
         if not self.quiet:
-            from localspec.models.spec import printable
+            from localspec.printable import printable
 
             self.clear()
             sys.stderr.write(printable(msg) + "\n")  # notices quote file names and model files' strings

@@ -34,7 +34,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.drafters.base import Drafter, Proposal, draft_token
 from localspec.drafters.draft_model import confident, target_row
 from localspec.seq import common_prefix

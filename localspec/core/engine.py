@@ -19,7 +19,7 @@ from localspec import defaults as D
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.generation import Finished, Generation, Piece, check_bias, check_prompt, new_stats
 from localspec.core.policy import Policy, build_policy, env_allows_inexact
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter

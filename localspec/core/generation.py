@@ -22,10 +22,10 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from localspec.core.sampling import Draws, bias_vector, probs, sample, token_logprobs
+from localspec.sample.sampling import Draws, bias_vector, probs, sample, token_logprobs
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler
-from localspec.core.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
+from localspec.sample.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
 from localspec.drafters import Proposal
 from localspec.errors import ContextOverflowError, SettingError, UsageError
 

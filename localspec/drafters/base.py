@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams, biased, probs, sample
+from localspec.sample.sampling import SamplingParams, biased, probs, sample
 
 
 @dataclass

@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.seq import common_prefix
 from localspec.drafters.base import Drafter, Proposal, draft_loop
 

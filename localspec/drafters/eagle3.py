@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.drafters.base import HeadFileDrafter, Proposal, draft_loop
 from localspec.errors import IncompatibleDraftError
 

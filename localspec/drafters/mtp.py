@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.drafters.base import Drafter, Proposal, draft_loop
 from localspec.drafters.eagle3 import top10_p
 from localspec.errors import IncompatibleDraftError

@@ -8,7 +8,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.errors import UsageError
-from localspec.core.sampling import SamplingParams
+from localspec.sample.sampling import SamplingParams
 from localspec.seq import common_prefix
 from localspec.drafters.base import Drafter, Offer, Proposal
 

@@ -8,27 +8,15 @@ derived from them can name a file outside localspec's caches."""
 from __future__ import annotations
 
 import re
-import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from localspec.errors import UsageError
+from localspec.printable import has_control as _has_control
 
 # huggingface_hub's validate_repo_id: word characters, '-', '.'; starts and ends with a word character; no '--'
 # or '..'; at most 96 characters
 _REPO_PART = re.compile(r"[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?")
-
-
-def _has_control(s: str) -> bool:
-    return any(unicodedata.category(c) == "Cc" for c in s)
-
-
-def printable(text) -> str:
-    """`text` (any value, as a string) with each control character (C0 such as ESC and BEL, DEL, C1 such as CSI)
-    replaced by a space. Every string read from a model file (general.name, the architecture, token text) or a file
-    name is shown through this on a terminal: escapes there could set the window title or clear the screen."""
-    text = str(text)
-    return "".join(" " if unicodedata.category(c) == "Cc" else c for c in text) if _has_control(text) else text
 
 
 def check_repo(repo: str) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 import platformdirs
 
 from localspec.errors import UsageError
-from localspec.models.spec import printable
+from localspec.printable import printable
 
 THROTTLE_S = 0.5
 THROTTLE_TOKENS = 32

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from localspec.core.sampling import Draws, sample
+from localspec.sample.sampling import Draws, sample
 
 NO_TOKEN = -1  # a verify row that leaves no token: its argmax entry, or its all-zero row of p
 

@@ -1,0 +1,1 @@
+"""Sampling and verification: the leaf both the drafters and the core decode with (numpy only, no model)."""
