@@ -34,7 +34,7 @@ def test_the_probe_sees_a_longer_cache_beside_a_row_change_it(engine):
     rollback check happened to pass, not at all. Its verdict must be what a direct decode shows, on any CPU."""
     import numpy as np
 
-    from localspec.core.batch import probe_lengths
+    from localspec.core.exactness import probe_lengths
     from localspec.llama.multiseq import MultiSeq
 
     ms = MultiSeq(engine.target, 2)
@@ -333,7 +333,7 @@ def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
 def inexact_at_full_batch(self):
     """The probe's finding on a 2-core CPU with repacked Q4_K weights: 2 and 3 requests x 1 row share a pass
     bit-identically, 4 x 1 does not."""
-    from localspec.core.batch import ProbeResult
+    from localspec.core.exactness import ProbeResult
 
     return ProbeResult(False, "passes of 4 x 1 rows (requests x rows each) are not bit-identical to one-token "
                        "decoding", {(2, 1): True, (3, 1): True, (4, 1): False}, {}, blanket=False)

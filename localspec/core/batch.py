@@ -48,14 +48,14 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-import numpy as np
 
 from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
-from localspec.core.engine import Engine, Finished, GenConfig, Piece  # noqa: F401 - Piece: part of the batch API
+from localspec.core.engine import Engine, Finished, GenConfig
+from localspec.core import exactness as X
+from localspec.core.exactness import ProbeResult
 from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, build_policy
 from localspec.drafters import PromptLookupDrafter, Proposal
@@ -66,32 +66,9 @@ PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
 PREFILL_MIN = 16  # ... and never fewer than this many
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
-PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
-              "def f(x): return x + 1")
-PROBE_TEXT_ALT = "Rows: 17, 42, 3.5e-2; SELECT name FROM users WHERE id = 9 -- {\"k\": [1, 2]}"
-PROBE_HEAD = 6  # probe tokens in every sequence's cache before the rows compared (whether GEMM and GEMV rows
-# round alike depends on the values: a probe that decoded its first token again measured equal where others differ)
 MAX_ROWS = 65  # a verify's rows at most (k <= 64)
 SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
-PROBE_REV = 1  # the probe's revision in its cache key: raised when _probe checks something new
 
-
-@dataclass
-class ProbeResult:
-    """What BatchEngine's probe found. exact: every probed pass shape is bit-identical to one-token decoding.
-    shapes: (requests, rows each) -> bit-identical. beside_prompt: requests in the pass -> a prompt chunk beside the
-    others' 1-row steps changes no logits. blanket: the verdict holds for every batched request (no pass shape is
-    known to be exact)."""
-
-    exact: bool
-    why: str
-    shapes: dict = field(default_factory=dict)
-    beside_prompt: dict = field(default_factory=dict)
-    blanket: bool = True
-
-    @property
-    def verdict(self) -> tuple[bool, str]:
-        return self.exact, self.why
 
 
 class _Run(Generation):
@@ -193,20 +170,14 @@ class BatchEngine:
         """What decides the probe's verdict besides the model and the build: the slots, the rows a bit request
         verifies, the pass size, the cache layout and size, and the probe's revision (raised when _probe checks
         more, so a verdict of a probe that checked less is not trusted)."""
-        from localspec.core import exactness as X
-
-        return X.batch_probe_key(self.target, f"rev={PROBE_REV}", f"slots={self.n_slots}", f"rows={self.bit_rows()}",
+        return X.batch_probe_key(self.target, f"rev={X.BATCH_REV}", f"slots={self.n_slots}", f"rows={self.bit_rows()}",
                                  f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}")
 
     def probe_cached(self) -> bool:
         """Whether probe(cache=True) is answered from the cache (or was run already): no probe decodes."""
-        from localspec.core import exactness as X
-
         return self._exact is not None or X.cached_batch_probe(self._probe_key()) is not None
 
     def _cached_probe(self) -> ProbeResult:
-        from localspec.core import exactness as X
-
         key = self._probe_key()
         entry = X.cached_batch_probe(key)
         if entry is not None:
@@ -262,117 +233,11 @@ class BatchEngine:
 
     def bit_rows(self) -> int:
         """The most rows a bit-exact request verifies in one step here (the engine's bit k cap + 1)."""
-        from localspec.core import exactness as X
-
         return self.engine.exact_k(X.PROBE_MIN_UPTO - 1) + 1
 
     def _probe(self) -> ProbeResult:
-        """Decode the shapes the batch really makes (llama.cpp runs a batch as passes of consecutive sequences with
-        equal rows each, see multiseq.split_equal) and compare every row bit for bit with one-token decoding: every
-        n <= n_slots sequences x every r <= bit_rows() rows each in one pass; a prompt chunk beside other requests'
-        rows (its last row and the cache it leaves); another request's rollbacks beside a sequence."""
-        ms, target = self.ms, self.target
-        if self.n_slots < 2:
-            return ProbeResult(True, "one slot: nothing else shares its batches")
-        if ms.unified:
-            return ProbeResult(False, "all requests share one KV cache (LOCALSPEC_KV_UNIFIED=1): after other "
-                               "requests' rollbacks a request's cache cells are no longer in position order, and "
-                               "attention sums them in cell order")
-        n, most = self.n_slots, self.bit_rows()
-        # whether a GEMM row rounds as the GEMV row does depends on the values: every check runs on two texts (one
-        # missed a 4 x 1 pass and a prompt chunk that differ on Qwen 0.5B Q4_K with AVX-512)
-        texts = []
-        for source in (PROBE_TEXT, PROBE_TEXT_ALT):
-            got = [t for t in target.tokenize(source, add_special=False) if 0 <= t < target.n_vocab]
-            if got or not texts:
-                got = got or [1, 2, 3, 4]
-                texts.append([got[i % len(got)] for i in range(PROBE_HEAD + most)])
-        toks, head = texts[0][:PROBE_HEAD], PROBE_HEAD
-        try:
-            # one-token decoding here, alone: the reference for every row below
-            refs = [one_token_rows(ms, ex) for ex in texts]
-            target.clear()
-            for t in toks:
-                one = target.decode([t], "last")[0]
-            target.clear()
-            if not np.array_equal(one, refs[0][head - 1]):
-                return ProbeResult(False, "one-token decoding in the batch context differs from the target's own "
-                                   "context")
-            # every pass shape a bit request can be in: s sequences x r rows each, all rows' logits wanted (on the
-            # second text, only the shapes of several requests that the first found bit-identical)
-            shapes: dict[tuple[int, int], bool] = {}
-            for ex, rf in zip(texts, refs):
-                ms.clear()
-                for s in range(n):
-                    for t in ex[:head]:
-                        ms.decode([(s, [t], [])])
-                for s in range(1, n + 1):
-                    for r in range(1, most + 1):
-                        if s * r > ms.n_batch or ((s, r) in shapes and (s < 2 or not shapes[(s, r)])):
-                            continue
-                        outs = ms.decode([(j, ex[head:head + r], range(r)) for j in range(s)])
-                        shapes[(s, r)] = all(np.array_equal(o[i], rf[head + i]) for o in outs for i in range(r))
-                        for j in range(s):
-                            ms.truncate(j, head)
-            # a prompt decoded beside s - 1 other requests' pending rows: its last row (the first token's logits)
-            # equals the target's own prefill, the rows beside it their references, and the cache it leaves
-            # decodes on alike
-            beside: dict[int, bool] = {s: True for s in range(2, n + 1)}
-            for ex, rf in zip(texts, refs):
-                tk = ex[:head]
-                target.clear()
-                own = target.decode(tk, "last")[0].copy()
-                after = target.decode(ex[head:head + 1], "last")[0].copy()
-                target.clear()
-                ms.clear()
-                for j in range(1, n):
-                    for t in tk:
-                        ms.decode([(j, [t], [])])
-                for s in range(2, n + 1):
-                    ms.clear(0)
-                    outs = ms.decode([(0, tk, [head - 1])] + [(j, ex[head:head + 1], [0]) for j in range(1, s)])
-                    ok = np.array_equal(outs[0][0], own) and all(np.array_equal(o[0], rf[head]) for o in outs[1:])
-                    ok = ok and np.array_equal(ms.decode([(0, ex[head:head + 1], [0])])[0][0], after)
-                    beside[s] = beside[s] and ok
-                    for j in range(1, s):
-                        ms.truncate(j, head)
-            spans = probe_lengths(ms, toks)
-            rolled = spans and self._probe_rollbacks(toks)
-        finally:
-            ms.clear()
-        if not spans:
-            return ProbeResult(False, "a row's logits change with the cache length of another request in its pass "
-                               "(flash attention spans the longest cache of the pass; with BF16 KV on CPUs with "
-                               "AVX512-BF16 the extra masked cells change the sums)")
-        if not rolled:
-            return ProbeResult(False, "a row's logits change when other requests' rolled-back drafts leave its cache "
-                               "cells out of position order")
-        bad = [f"{s} x {r}" for (s, r), ok in sorted(shapes.items(), key=lambda x: (x[0][0] * x[0][1], x[0]))
-               if not ok and s > 1]
-        if not bad and all(beside.values()):
-            return ProbeResult(True, f"a row's logits are bit-identical with up to {n} requests x {most} rows in its "
-                               "forward pass, beside another request's prompt chunk and its rollbacks", shapes, beside)
-        what = []
-        if bad:
-            what.append("passes of " + ", ".join(bad[:6]) + (" ..." if len(bad) > 6 else "") +
-                        " rows (requests x rows each) are not bit-identical to one-token decoding")
-        if not all(beside.values()):
-            what.append("a prompt chunk decoded beside " + ", ".join(f"{s - 1}" for s, ok in beside.items() if not ok)
-                        + " other requests' rows changes its or their logits")
-        return ProbeResult(False, "; ".join(what), shapes, beside, blanket=False)
-
-    def _probe_rollbacks(self, toks: list[int]) -> bool:
-        """Another request's rejected rows rolled back beside a sequence between its steps leave its logits alone."""
-        ms = self.ms
-        long = (toks * 2)[:10]
-        refs = one_token_rows(ms, long)
-        ms.decode([(1, [toks[0]], [])])
-        for i, t in enumerate(long):
-            got = ms.decode([(1, [toks[1]] * 3, []), (0, [t], [0])])[1][0]
-            if not np.array_equal(got, refs[i]):
-                return False
-            ms.truncate(1, len(ms.tokens[1]) - 2)  # the other request rejects two of its three rows
-        return True
+        """The probe of several requests in one pass (exactness.probe_batch) on this batch's slots."""
+        return X.probe_batch(self.ms, self.target, self.n_slots, self.bit_rows())
 
     def shape_exact(self, n_seqs: int, rows: int, beside_prompt: bool = False) -> bool:
         """Whether a forward pass of n_seqs requests x rows each (beside_prompt: one of them a prompt chunk) keeps a
@@ -761,33 +626,6 @@ def _pass_cost(curve: dict[int, float], b: int) -> float:
     top = max(curve)
     slope = (curve[top] - curve[top - 1]) if top - 1 in curve else 1.0
     return curve[top] + max(slope, 0.0) * (b - top)
-
-
-def one_token_rows(ms, tokens: list[int]) -> list[np.ndarray]:
-    """Sequence 0's logits for each of `tokens`, decoded one a step from an empty cache: the probes' reference.
-    Every cache is empty again afterwards."""
-    ms.clear()
-    rows = [np.array(ms.decode([(0, [t], [0])])[0][0], copy=True) for t in tokens]
-    ms.clear()
-    return rows
-
-
-def probe_lengths(ms, toks: list[int], steps: int = 12) -> bool:
-    """Whether sequence 0's logits, decoded one token a step beside sequence 1 (one row a step, its cache
-    `len(toks) // 2 + 1` tokens longer: requests started at different times, every pass of a running batch), equal
-    its one-token decoding alone, over `steps` steps."""
-    long = (toks * (steps // max(len(toks), 1) + 1))[:steps]
-    refs = one_token_rows(ms, long)
-    try:
-        for t in toks[: len(toks) // 2 + 1]:
-            ms.decode([(1, [t], [])])
-        for i, t in enumerate(long):
-            got = ms.decode([(1, [toks[i % len(toks)]], []), (0, [t], [0])])[1][0]
-            if not np.array_equal(got, refs[i]):
-                return False
-        return True
-    finally:
-        ms.clear()
 
 
 def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, upto: int) -> dict[int, float]:
