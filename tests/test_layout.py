@@ -255,3 +255,26 @@ def test_the_settings_load_no_model_code():
             "m.startswith(('localspec.drafters', 'localspec.core', 'localspec.llama'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def private_reaches(path: Path) -> list[str]:
+    """`obj._name` where obj is not self or cls: a module reaching into another object's private fields."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if not (isinstance(base, ast.Name) and base.id in ("self", "cls")):
+                out.append(f"{path.name}:{node.lineno} .{node.attr}")
+    return out
+
+
+def test_drafters_use_the_models_public_interface():
+    """Drafters run on llama objects through their public methods and handles, never their private fields."""
+    bad = [r for p in sorted((PKG / "drafters").glob("*.py")) for r in private_reaches(p)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_field_check_sees_one(tmp_path):
+    p = tmp_path / "d.py"
+    p.write_text("def f(target):\n    return target._ctx, self._ok\n")
+    assert private_reaches(p) == ["d.py:2 ._ctx"]

@@ -57,7 +57,7 @@ from localspec.core.engine import Engine, Finished, GenConfig
 from localspec.core import exactness as X
 from localspec.core.exactness import ProbeResult
 from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
-from localspec.core.policy import AdaptivePolicy, FixedPolicy, build_policy
+from localspec.core.policy import build_policy
 from localspec.drafters import PromptLookupDrafter, Proposal
 from localspec.errors import LocalspecError, UsageError
 from localspec.seq import common_prefix
@@ -399,7 +399,7 @@ class BatchEngine:
         after, on their own, and where two prompts joining in the same step would share a pass, each on its own.
         Over separate KV streams that costs about no extra pass: llama.cpp ran a prompt's rows past the fewest any
         sequence of its pass had as a pass of their own anyway (split_equal), so only the shared pass is split."""
-        bit = {run.seq for run in owners if run.stats.exactness == "bit"}
+        bit = {run.seq for run in owners if run.level == "bit"}
         if self.ms.unified or len(parts) < 2 or not bit or not self._costs_bit(parts, owners, bit):
             return [(parts, owners)]
         gen = [j for j, run in enumerate(owners) if run.step is not None]
@@ -461,7 +461,7 @@ class BatchEngine:
                 return
         if self.pad is None and not self._padding_pays([(p[0], len(p[1])) for p in parts], r):
             return
-        bit = {run.seq for run in owners if run.stats.exactness == "bit"}
+        bit = {run.seq for run in owners if run.level == "bit"}
         for ub in self.ms.passes([(p[0], r) for p in parts]):
             if bit & {seq for seq, _, _ in ub} and not self.shape_exact(len(ub), r):
                 return
@@ -487,9 +487,7 @@ class BatchEngine:
         if ratios is None:
             ratios = self._ratios[key] = batch_ratios(curve, n, self.ms.unified, self.pad is not False, MAX_ROWS)
         for run in self._live():
-            pol = run.policy
-            if isinstance(pol, AdaptivePolicy):
-                pol.curve.prior = ratios
+            run.policy.set_verify_prices(ratios)
 
     def _calibrated(self) -> dict[int, float]:
         if self._curve is None:
@@ -513,8 +511,8 @@ class BatchEngine:
         pays for anyway); the proposal grows, its rows verified as any. Returns the slot's rows (pending + drafts)."""
         step = run.step
         drafter, proposal = step.drafter, step.proposal
-        if drafter is None or not isinstance(drafter, PromptLookupDrafter) or not run.cfg.sampling.greedy \
-                or not run.can_extend():
+        # a shadowed drafter (prompt lookup) proposes from the context alone, at next to no cost: asked again
+        if drafter is None or not drafter.shadowed or not run.cfg.sampling.greedy or not run.can_extend():
             return toks
         room = run.cfg.max_tokens - run.stats.completion_tokens - 1
         more = drafter.propose(run.context, min(r - 1, room), run.cfg.sampling, run.source())
@@ -542,9 +540,9 @@ class BatchEngine:
             what = "beside another request's prompt chunk" if prompt else f"of {len(ub)} requests x {r} rows"
             for run in runs:
                 st = run.stats
-                if st.exactness != "bit":
+                if run.level != "bit":
                     continue
-                st.exactness = "lossless"
+                run.level = st.exactness = "lossless"
                 st.exactness_reason = (f"lossless: batched, and from token {st.completion_tokens + 1} it shared a "
                                        f"pass {what}, and {res.why} here; every token is still the target's "
                                        "choice in the pass that emitted it")
@@ -553,11 +551,7 @@ class BatchEngine:
     def _uncap(self, run: _Run) -> None:
         """A request no longer at bit has no reason to keep the bit k cap: k up to what it asked for."""
         pol, k = run.policy, run.cfg.k
-        if isinstance(pol, AdaptivePolicy):
-            pol.bit_cap = None
-            pol.k_max = max(pol.k_max, k)
-        elif isinstance(pol, FixedPolicy) and pol.drafter is not None:
-            pol.k = max(pol.k, k)
+        pol.uncap(k)
         if run.stats.k_cap < k and pol.drafters:
             run.stats.k_cap = k
 

@@ -154,6 +154,8 @@ class Generation:
         self.finish: str | None = None
         self.error: Exception | None = None
         self.step: Step | None = None  # this step's rows, between propose() and verified()
+        # the exactness level in force (bit | lossless): run state the scheduler decides by; stats only report it
+        self.level = stats.exactness
         sp = cfg.sampling
         self.bias = check_bias(cfg, target.n_vocab)
         self.banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
@@ -258,8 +260,9 @@ class Generation:
         st.k_used[k if drafter is not None else 0] += 1
         self.policy.observe(drafter, k, gamma, n_acc, step.t_draft, cost)
         switched = getattr(self.policy, "switched", None)
-        if switched and st.exactness == "bit":  # exactness auto left the bit cap: say so, and from where
-            st.exactness, st.k_cap = "lossless", cfg.k
+        if switched and self.level == "bit":  # exactness auto left the bit cap: say so, and from where
+            self.level = st.exactness = "lossless"
+            st.k_cap = cfg.k
             st.exactness_reason = f"{switched} (from token {st.completion_tokens + 1})"
         self._take([(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)], rows)
 

@@ -48,6 +48,13 @@ class Policy(Protocol):
 
     def reason(self) -> str: ...
 
+    def uncap(self, k: int) -> None:
+        """The request left bit exactness (its batch shared a pass that is not bit-exact): k up to `k`."""
+
+    def set_verify_prices(self, ratios: dict[int, float]) -> None:
+        """What a verify of b rows costs in plain steps, as its scheduler prices it this step (a batch: the whole
+        step's passes); a policy that does not price ignores it."""
+
 
 class FixedPolicy:
     """Same drafter and k every step (or plain decoding with no drafter)."""
@@ -66,6 +73,13 @@ class FixedPolicy:
 
     def reason(self) -> str:
         return ""
+
+    def uncap(self, k: int) -> None:
+        if self.drafter is not None:
+            self.k = max(self.k, k)
+
+    def set_verify_prices(self, ratios: dict[int, float]) -> None:
+        pass
 
 
 @dataclass
@@ -403,6 +417,13 @@ class AdaptivePolicy:
             k, rate = best_k(est, self.curve, self.k_max, self._t_token(name, plain))
             out[name] = (k, rate / plain)
         return out
+
+    def uncap(self, k: int) -> None:
+        self.bit_cap = None
+        self.k_max = max(self.k_max, k)
+
+    def set_verify_prices(self, ratios: dict[int, float]) -> None:
+        self.curve.prior = ratios
 
     def reason(self) -> str:
         name, k, _ = self.last_choice

@@ -141,7 +141,7 @@ class HeadFileDrafter(Drafter):
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         n = len(tokens)
         m = (n - 1) % self.target.n_batch + 1
-        ctx_t = self.target._ctx
+        ctx_t = self.target.ctx_handle
         feats = np.concatenate([heads.layer_inp_rows(ctx_t, lid, m, self.n_embd_tgt) for lid in self.layer_ids],
                                axis=1)
         return m, int(positions[n - m]), feats

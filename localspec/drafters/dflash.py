@@ -40,7 +40,7 @@ class DFlashDrafter(HeadFileDrafter):
         if head.arch != "dflash":
             raise IncompatibleDraftError(f"{head.name} is not a DFlash head (its architecture is {head.arch})")
         ll = lib.require()
-        m = head._model
+        m = head.model_handle
         if int(heads.ext.fn("llama_model_dflash_selector_top_k")(m)) > 0:
             raise IncompatibleDraftError(f"{head.name} is a DFlash2 head (a selector lattice), which localspec does "
                                          "not drive yet (plain DFlash heads are supported)")
@@ -68,10 +68,10 @@ class DFlashDrafter(HeadFileDrafter):
         if self.block_size < 2:
             raise IncompatibleDraftError(f"{head.name} has a block size of {self.block_size}: it drafts nothing")
         causal = heads.meta_str(m, "dflash.attention.causal") == "true"
-        self.n_embd_tgt = heads.n_embd_of(target._model)
+        self.n_embd_tgt = heads.n_embd_of(target.model_handle)
         self.ctx = heads.HeadContext(m, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
-                                     kv_type=target.kv_type, ctx_other=target._ctx, name=head.name)
-        heads.enable_layer_inp(target._ctx, self.layer_ids)
+                                     kv_type=target.kv_type, ctx_other=target.ctx_handle, name=head.name)
+        heads.enable_layer_inp(target.ctx_handle, self.layer_ids)
         heads.set_nextn(self.ctx.ctx, True, True)
         ll.llama_set_causal_attn(self.ctx.ctx, causal)  # DFlash attends non-causally unless the model says otherwise
         self.hook_s = 0.0  # time in after_target_decode (the per-step overhead the head adds to every decode)

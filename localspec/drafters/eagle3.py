@@ -49,24 +49,24 @@ class Eagle3Drafter(HeadFileDrafter):
         self.head = head
         self.p_min = p_min
         self._cost = cost
-        self.layer_ids = heads.target_layer_ids(head._model)
+        self.layer_ids = heads.target_layer_ids(head.model_handle)
         if len(self.layer_ids) != 3:
             raise IncompatibleDraftError(f"{head.name} is not an EAGLE-3 head (it reads {len(self.layer_ids)} target "
                                          "layers, EAGLE-3 reads 3)")
         heads.check_layer_inp_target(target, "EAGLE-3", self.layer_ids)  # before any flag is set
-        self.n_embd_tgt = heads.n_embd_of(target._model)
+        self.n_embd_tgt = heads.n_embd_of(target.model_handle)
         self.n_embd = head.n_embd
-        n_tgt = int(heads.meta_str(head._model, "eagle3.target_hidden_size") or 0)
+        n_tgt = int(heads.meta_str(head.model_handle, "eagle3.target_hidden_size") or 0)
         if n_tgt and n_tgt != self.n_embd_tgt:
             raise IncompatibleDraftError(f"{head.name} was trained on a target of hidden size {n_tgt}, "
                                          f"{target.name} has {self.n_embd_tgt}")
-        if heads.n_vocab_of(head._model) != target.n_vocab:
-            raise IncompatibleDraftError(f"{head.name} has a vocabulary of {heads.n_vocab_of(head._model)} tokens, "
+        if heads.n_vocab_of(head.model_handle) != target.n_vocab:
+            raise IncompatibleDraftError(f"{head.name} has a vocabulary of {heads.n_vocab_of(head.model_handle)} tokens, "
                                          f"{target.name} has {target.n_vocab}")
-        self.ctx = heads.HeadContext(head._model, n_ctx=target.n_ctx, n_batch=target.n_batch,
-                                     n_threads=target.n_threads, kv_type=target.kv_type, ctx_other=target._ctx,
+        self.ctx = heads.HeadContext(head.model_handle, n_ctx=target.n_ctx, n_batch=target.n_batch,
+                                     n_threads=target.n_threads, kv_type=target.kv_type, ctx_other=target.ctx_handle,
                                      name=head.name)
-        heads.enable_layer_inp(target._ctx, self.layer_ids)
+        heads.enable_layer_inp(target.ctx_handle, self.layer_ids)
         heads.set_nextn(self.ctx.ctx, True, True)
         self._g: np.ndarray | None = None  # g rows of the target's last decode
         self._g_pos0 = 0  # position of self._g[0]

@@ -44,10 +44,10 @@ class MtpDrafter(Drafter):
         """target: a Model loaded with load_mtp=True whose GGUF has nextn layers. Raises IncompatibleDraftError."""
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("mtp")
-        n_nextn = heads.n_nextn_of(target._model)
+        n_nextn = heads.n_nextn_of(target.model_handle)
         if n_nextn <= 0:
             raise IncompatibleDraftError(f"{target.name} has no MTP (nextn) layers")
-        arch = heads.arch_of(target._model)
+        arch = heads.arch_of(target.model_handle)
         if n_nextn > 1:
             if arch not in CHAIN_ARCHS:
                 raise IncompatibleDraftError(
@@ -61,11 +61,11 @@ class MtpDrafter(Drafter):
         self.target = target
         self.p_min = p_min
         self._cost = cost
-        self.n_embd = heads.n_embd_of(target._model)
-        self.ctx = heads.HeadContext(target._model, n_ctx=target.n_ctx, n_batch=target.n_batch,
+        self.n_embd = heads.n_embd_of(target.model_handle)
+        self.ctx = heads.HeadContext(target.model_handle, n_ctx=target.n_ctx, n_batch=target.n_batch,
                                      n_threads=target.n_threads, kv_type=target.kv_type,
                                      ctx_type=heads.CONTEXT_TYPE_MTP, name=f"{target.name} (MTP)")
-        heads.set_nextn(target._ctx, True, False)
+        heads.set_nextn(target.ctx_handle, True, False)
         heads.set_nextn(self.ctx.ctx, True, True)
         self._h: np.ndarray | None = None
         self._h_pos0 = 0
@@ -89,7 +89,7 @@ class MtpDrafter(Drafter):
         m = (n - 1) % self.target.n_batch + 1  # only the last n_batch chunk's hidden states are left
         toks = [int(t) for t in tokens[n - m:]]
         pos0 = int(positions[n - m])
-        h = heads.nextn_rows(self.target._ctx, m, self.n_embd).copy()
+        h = heads.nextn_rows(self.target.ctx_handle, m, self.n_embd).copy()
         prev = self._h_at(pos0 - 1)
         rows = [(toks[0], pos0, prev, False)] if prev is not None else []
         rows += [(toks[k], pos0 + k, h[k - 1], False) for k in range(1, m)]
@@ -167,4 +167,4 @@ class MtpDrafter(Drafter):
         from localspec.llama import heads
 
         # cost: one layer of the target's n_layer + 1 (a memory-bound first guess)
-        return cls(target, p_min=p_min, cost=1.0 / (heads.n_layer_of(target._model) + 1))
+        return cls(target, p_min=p_min, cost=1.0 / (heads.n_layer_of(target.model_handle) + 1))

@@ -135,6 +135,11 @@ class HeadModel:
     def name(self) -> str:
         return self.path.name
 
+    @property
+    def model_handle(self):
+        """The llama_model pointer, for the calls in this module that read or run the head."""
+        return self._model
+
     def size_bytes(self) -> int:
         return int(lib.ll.llama_model_size(self._model))
 

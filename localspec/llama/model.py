@@ -321,6 +321,17 @@ class Model:
                 out += self.tokenize(item, add_special=False, parse_special=False)
         return out
 
+    @property
+    def model_handle(self):
+        """The llama_model pointer, for the llama.cpp calls of the draft heads (llama/heads.py) on this model."""
+        return self._model
+
+    @property
+    def ctx_handle(self):
+        """The llama_context pointer of sequence 0's context, for the draft heads' calls that read its hidden
+        states (llama/heads.py)."""
+        return self._ctx
+
     def has_control_text(self, text: str) -> bool:
         """Whether `text` holds the text of a control token (as llama.cpp would parse it in markup): a string
         that must stay plain text when a chat template prints it (ChatTemplate.segments)."""
