@@ -163,6 +163,34 @@ def test_bias_and_grammar_leaving_no_token_end_in_an_error_not_a_banned_token(en
         assert math.isfinite(p.logprob) and all(math.isfinite(x) for _, x in p.top)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_in_a_batch_a_bias_leaving_no_token_fails_that_request_only(engine, batch, temperature):
+    """serve --parallel: the request whose bias and grammar leave no token fails naming logit_bias, with no banned
+    token emitted; the request beside it answers as it does alone. A bias that bans every token is refused at once."""
+    target = engine.target
+    then = [t for t in range(5, target.n_vocab, 7)]
+    ban = {t: -100.0 for t in then + [2]}
+    sp = SamplingParams(temperature=temperature, seed=5)
+    other = GenConfig(max_tokens=N, method="lookup", k=4, sampling=sp)
+    alone = engine.complete(engine.raw_prompt(PROMPTS[1]), other)
+    bad = GenConfig(max_tokens=N, method="lookup", k=4, logit_bias=ban, logprobs=3, sampling=sp,
+                    constraint=Narrowing(target.n_vocab, 3, then))
+    events: list = []
+    batch.add(engine.raw_prompt(PROMPTS[0]), bad, sink=events.append)
+    ends: list = []
+    batch.add(engine.raw_prompt(PROMPTS[1]), other, sink=lambda ev: None if isinstance(ev, Piece) else ends.append(ev))
+    while batch.active:
+        batch.step()
+    assert isinstance(events[-1], SettingError) and events[-1].settings == ("logit_bias",)
+    toks = [p for p in events if isinstance(p, Piece) and p.token >= 0]
+    assert len(toks) == 3 and not any(p.token in ban for p in toks)
+    assert all(math.isfinite(p.logprob) for p in toks)
+    assert ends[-1].tokens == alone.tokens
+    with pytest.raises(SettingError) as err:
+        batch.add(engine.raw_prompt(PROMPTS[0]), GenConfig(logit_bias={t: -100.0 for t in range(target.n_vocab)}))
+    assert err.value.settings == ("logit_bias",)
+
+
 # ----------------------------------------------------------------- through the server (chat and legacy)
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
