@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parent.parent / "localspec"
 # rank of each part of the package; a module may import modules of its own rank or lower, never higher
 LAYERS = [
     (0, ("localspec", "localspec.errors", "localspec.seq", "localspec.rpcwire", "localspec.defaults",
-         "localspec.printable", "localspec.sample")),  # leaves: no localspec imports but errors
+         "localspec.printable", "localspec.sample", "localspec.knobs")),  # leaves: no localspec imports but errors
     (1, ("localspec.llama",)),  # the only llama_cpp importer
     (2, ("localspec.drafters", "localspec.store")),  # drafters decode with sample/, on llama objects
     (3, ("localspec.models",)),
@@ -194,7 +194,7 @@ def test_the_package_check_fails_on_a_planted_upward_import():
 
 def test_the_leaves_import_nothing_of_localspec_but_errors():
     pg = package_graph()
-    for leaf in ("localspec.sample", "localspec.rpcwire", "localspec.defaults", "localspec.printable",
+    for leaf in ("localspec.sample", "localspec.rpcwire", "localspec.defaults", "localspec.printable", "localspec.knobs",
                  "localspec.seq"):
         assert set(pg.get(leaf, [])) <= {"localspec.errors"}, (leaf, pg.get(leaf))
 
@@ -278,3 +278,30 @@ def test_the_private_field_check_sees_one(tmp_path):
     p = tmp_path / "d.py"
     p.write_text("def f(target):\n    return target._ctx, self._ok\n")
     assert private_reaches(p) == ["d.py:2 ._ctx"]
+
+
+def test_the_localspec_switches_are_read_in_one_place():
+    """LOCALSPEC_* variables are read by knobs.py (diagnostic switches), settings/session (user settings), store/
+    (where files live) and cli/ (the front end's own), never deep in core, llama or the server."""
+    readers = ("localspec.knobs", "localspec.settings", "localspec.session", "localspec.store", "localspec.cli")
+    bad = []
+    for mod, path in modules().items():
+        if mod.startswith(readers):
+            continue
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if "LOCALSPEC_" in line and ("environ" in line or "getenv" in line):
+                bad.append(f"{mod}:{i}")
+    assert not bad, bad
+
+
+def test_the_switches_are_typed_and_a_bad_value_is_one_error():
+    from localspec.errors import UsageError
+    from localspec.knobs import Knobs
+
+    k = Knobs.read({"LOCALSPEC_RS_SEQ": "3", "LOCALSPEC_KV_UNIFIED": "0", "LOCALSPEC_BATCH_PAD": "1",
+                    "LOCALSPEC_ALLOW_INEXACT": "0", "LOCALSPEC_DEBUG": "1"})
+    assert (k.rs_seq, k.kv_unified, k.batch_pad, k.allow_inexact, k.debug) == (3, False, True, False, True)
+    assert Knobs.read({}).kv_unified is None and Knobs.read({}).rs_seq is None
+    for env in ({"LOCALSPEC_RS_SEQ": "many"}, {"LOCALSPEC_KV_TYPE": "f64"}, {"LOCALSPEC_ROLLBACK": "maybe"}):
+        with pytest.raises(UsageError):
+            Knobs.read(env)

@@ -45,7 +45,6 @@ requests always run at `lossless` there.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Callable, Sequence
@@ -60,6 +59,7 @@ from localspec.core.generation import Generation, check_bias, check_prompt, new_
 from localspec.core.policy import build_policy
 from localspec.drafters import PromptLookupDrafter, Proposal
 from localspec.errors import LocalspecError, UsageError
+from localspec.knobs import knobs
 from localspec.seq import common_prefix
 
 PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
@@ -98,17 +98,16 @@ class BatchEngine:
             raise UsageError(f"the KV layout must be one of {', '.join(D.KV_LAYOUTS)}, got {layout!r}")
         self.engine = engine
         self.target = engine.target
-        env = os.environ.get("LOCALSPEC_KV_UNIFIED", "")
-        if unified is None and env != "":
-            unified = env != "0"
+        switches = knobs()
+        if unified is None:
+            unified = switches.kv_unified
         if unified is not None:
             layout = "unified" if unified else "split"
         self._auto = layout == "auto" and n_slots > 1
         self.speculative = speculative
         self.layout_why = ""  # what _choose_layout decided, and why
         self.ms = MultiSeq(engine.target, n_slots, unified=layout == "unified")
-        env = os.environ.get("LOCALSPEC_BATCH_PAD", "")
-        self.pad: bool | None = pad if pad is not None else (None if env == "" else env not in ("0",))  # None: by cost
+        self.pad: bool | None = pad if pad is not None else switches.batch_pad  # None: by cost
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified,
                                             chunk=self.prefill_chunk)  # the draft model, or None

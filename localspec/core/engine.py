@@ -7,7 +7,6 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import deque
@@ -24,6 +23,7 @@ from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
 from localspec.errors import IncompatibleDraftError, LocalspecError, SettingError, UsageError
+from localspec.knobs import knobs
 from localspec.models.pair import check_pair
 
 
@@ -294,7 +294,7 @@ class Engine:
 
     def verify_costs(self, upto: int) -> dict[int, float] | None:
         """T(b)/T(1) of the target on this machine (measured once, cached); None where it cannot be measured."""
-        if os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
+        if knobs().no_cost_calibration:
             return None
         if len(self._costs) < upto:
             from localspec.core.exactness import verify_costs

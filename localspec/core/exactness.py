@@ -16,14 +16,13 @@ prefix is saved as a checkpoint, so every `truncate` back to it restores it inst
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-import os
 import statistics
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from localspec.knobs import knobs
 from localspec.store.cachefile import read_json, update_json, write_json
 
 PROBE_TEXT = "def quicksort(arr):\n    if len(arr) <= 1:\n        return arr\n    pivot = arr[len(arr) // 2]\n" * 3
@@ -67,7 +66,7 @@ def _build() -> str:
 def _key(model, upto: int) -> str:
     st = model.path.stat()
     parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
-             _build(), os.environ.get("LOCALSPEC_NO_REPACK", ""), model.kv_type,
+             _build(), "1" if knobs().no_repack else "", model.kv_type,
              _long_ok(model, upto), upto]
     if getattr(model, "rpc_servers", None):  # the workers compute the layers: their kernels decide
         parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]

@@ -11,11 +11,11 @@ that loses is not used, but is probed now and then so it can win back.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
 from localspec.drafters.base import Drafter
+from localspec.knobs import knobs
 
 DECAY = 0.9  # weight kept by old observations at each new one (~10-step memory)
 PRIOR_WEIGHT = 2.0
@@ -434,7 +434,7 @@ class AdaptivePolicy:
 
 def env_allows_inexact() -> bool:
     """LOCALSPEC_ALLOW_INEXACT=1 (the older switch): `auto` exactness means lossless."""
-    return os.environ.get("LOCALSPEC_ALLOW_INEXACT", "") not in ("", "0")
+    return knobs().allow_inexact
 
 
 def build_policy(cfg, method: str, k: int, drafters: dict[str, Drafter], state: dict | None,

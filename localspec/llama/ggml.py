@@ -11,6 +11,7 @@ import sys
 from typing import Sequence
 
 from localspec.errors import ModelLoadError
+from localspec.knobs import knobs
 from localspec.llama import aborts, lib
 from localspec import rpcwire as rpc
 
@@ -179,7 +180,7 @@ def rpc_start_server(endpoint: str, cache_dir: str | None, n_threads: int) -> No
     if not devices:
         raise ModelLoadError("llama.cpp found no device to serve")
     arr = (ctypes.c_void_p * len(devices))(*devices)
-    if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
+    if not knobs().llama_log:
         ll = lib.require()
 
         @ll.llama_log_callback

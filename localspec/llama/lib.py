@@ -9,8 +9,9 @@ import signal
 import threading
 
 from localspec.errors import ModelLoadError
+from localspec.knobs import knobs
 
-DEBUG = os.environ.get("LOCALSPEC_DEBUG", "") not in ("", "0")  # as the CLI reads it (--debug)
+DEBUG = knobs().debug  # as the CLI reads it (--debug)
 if not DEBUG:
     # ggml forks gdb for a backtrace on GGML_ABORT and on uncaught C++ exceptions (the latter decided when the
     # library loads, so this must come before the import); users get one `error:` line instead (see on_abort)
@@ -57,7 +58,7 @@ def init_backend() -> None:
     with _backend_lock:
         if _backend_ready:
             return
-        if not os.environ.get("LOCALSPEC_LLAMA_LOG"):
+        if not knobs().llama_log:
             # silence llama.cpp's chatter on stderr (stderr belongs to our status line)
             _log_cb = _c_noop_log_callback(ll)
             if _log_cb is None:  # pragma: no cover - no libc: a Python no-op (Ctrl-C may then be lost while loading)

@@ -28,6 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.errors import DecodeError, ModelLoadError, UsageError
+from localspec.knobs import knobs
 from localspec.llama import aborts, ggml, lib
 from localspec.llama.lib import ll as _ll
 from localspec.llama.threads import check_threads, default_threads
@@ -46,10 +47,8 @@ RS_SEQ = 8  # recurrent-state planes asked for (k <= 8 verifies roll back withou
 
 
 def _rs_seq_wanted() -> int:
-    try:
-        return max(0, int(os.environ.get("LOCALSPEC_RS_SEQ", RS_SEQ)))
-    except ValueError:
-        return RS_SEQ
+    n = knobs().rs_seq
+    return RS_SEQ if n is None else n
 
 
 class Model:
@@ -111,7 +110,7 @@ class Model:
         if load_mtp:  # the target's MTP (nextn) layers, for an MTP draft context on this model (llama/heads.py)
             mparams.load_mtp = True
         self.n_gpu_layers = int(n_gpu_layers)
-        if os.environ.get("LOCALSPEC_NO_REPACK"):
+        if knobs().no_repack:
             # work-around for CPUs where the native build's AMX path crashes (see README)
             mparams.use_extra_bufts = False
         if self.rpc_servers:
@@ -154,16 +153,14 @@ class Model:
             # RPC workers without local GPUs: BF16 too (a worker's CPU backend computes as the local one does;
             # GPU workers whose flash attention lacks BF16 need LOCALSPEC_KV_TYPE=f16).
             on_cpu = self.n_gpu_layers == 0 or (self.rpc_servers and not local_gpus)
-            kv = os.environ.get("LOCALSPEC_KV_TYPE") or ("bf16" if on_cpu else "f16")
-            if kv not in GGML_TYPES:
-                raise ModelLoadError(f"LOCALSPEC_KV_TYPE must be one of {', '.join(GGML_TYPES)}, got {kv!r}")
+            kv = knobs().kv_type or ("bf16" if on_cpu else "f16")
             self.kv_type = kv
             cparams.type_k = cparams.type_v = GGML_TYPES[kv]
             cparams.no_perf = True
             self.is_recurrent = bool(ll.llama_model_is_recurrent(self._model))
             self.is_hybrid = bool(ll.llama_model_is_hybrid(self._model))
             # LOCALSPEC_ROLLBACK=checkpoint|none forces a rollback kind on recurrent/hybrid models (benchmarks, tests)
-            forced = os.environ.get("LOCALSPEC_ROLLBACK", "")
+            forced = knobs().rollback
             if (self.is_recurrent or self.is_hybrid) and forced not in ("checkpoint", "none"):
                 cparams.n_rs_seq = _rs_seq_wanted()
             with lib.DeferSignals():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import queue
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any, Callable
 from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.errors import ContextOverflowError, LocalspecError, UsageError
+from localspec.knobs import knobs
 from localspec.server.config import POLL_S
 from localspec.server.openai import APIError, setting_error
 
@@ -123,7 +123,7 @@ class Worker:
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
         upto = 2 if batch is not None else cfg.k + 1
         if (batch is None and (method == "none" or cfg.k <= 0 or not adaptive)) or \
-                os.environ.get("LOCALSPEC_NO_COST_CALIBRATION"):
+                knobs().no_cost_calibration:
             return
         if not X.verify_costs_cached(engine.target, upto):
             log("localspec serve: measuring what a verify batch costs here (once per model and llama.cpp build)")
