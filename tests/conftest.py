@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tinymodels import OTHER_WORDS, greedy_margins, write_model
+from tinymodels import OTHER_WORDS, greedy_margins, write_model, write_no_vocab
 
 PROMPTS = ["Hello world, the x = y + 1", "def f(x): return x", "the cat and the dog", "Once upon a time"]
 N_EXACT = 200
@@ -75,6 +75,12 @@ def batch(engine):
 @pytest.fixture(scope="session")
 def other_vocab_path(model_dir) -> Path:
     return write_model(model_dir / "other.gguf", 7, words=OTHER_WORDS)
+
+
+@pytest.fixture(scope="session")
+def no_vocab_path(model_dir) -> Path:
+    """A GGUF header without a tokenizer: a draft that cannot draft for anything, even through text."""
+    return write_no_vocab(model_dir / "novocab.gguf")
 
 
 @pytest.fixture(scope="session")

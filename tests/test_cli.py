@@ -94,7 +94,6 @@ def test_bad_inputs(target_path, other_vocab_path, tmp_path):
         (["run", "-m", str(trunc), "hi"], 1, "could not load"),
         (["run", "-m", "no-such-pair", "hi"], 2, "unknown model pair"),
         (["run", "-m", "qwen2.5-coder-1.5", "hi"], 2, "did you mean qwen2.5-coder-1.5b"),
-        (["run", "-m", t, "-d", str(other_vocab_path), "--method", "draft", "hi"], 1, "cannot speculate"),
         (["run", "-m", t, "-k", "-2", "hi"], 2, "between 0 and"),
         (["run", "-m", t, "-k", "100000", "hi"], 2, "between 0 and"),
         (["run", "-m", t, "--method", "fast", "hi"], 2, "unknown method"),
@@ -111,12 +110,15 @@ def test_bad_inputs(target_path, other_vocab_path, tmp_path):
     assert "UTF-8" in line
 
 
-def test_auto_falls_back_to_lookup_with_incompatible_draft(target_path, other_vocab_path):
-    r = cli(["run", "-m", str(target_path), "-d", str(other_vocab_path), "-n", "8", "--json", "--raw", "hi"])
-    assert r.returncode == 0
-    assert "warning:" in r.stderr.decode() and "prompt lookup" in r.stderr.decode()
-    d = json.loads(r.stdout)
-    assert d["draft"] is None and "token" in d["draft_dropped"]
+def test_draft_with_another_vocabulary_drafts_through_text(target_path, other_vocab_path):
+    for method in ("draft", "auto"):
+        r = cli(["run", "-m", str(target_path), "-d", str(other_vocab_path), "--method", method, "-n", "8", "--json",
+                 "--raw", "hi"])
+        assert r.returncode == 0, r.stderr
+        d = json.loads(r.stdout)
+        assert d["draft"] == other_vocab_path.name and d["draft_kind"] == "cross-vocab" and d["draft_dropped"] is None
+    r = cli(["run", "-m", str(target_path), "--method", "none", "-n", "2", "--json", "--raw", "hi"])
+    assert json.loads(r.stdout)["draft_kind"] is None
 
 
 def test_broken_pipe_is_quiet(target_path):

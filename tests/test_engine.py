@@ -94,9 +94,17 @@ def test_kv_rollback_matches_fresh_context(target_path):
         assert m.tokens == ids + [10, 20, 77]
 
 
-def test_pair_check_refuses_other_vocab(target_path, other_vocab_path):
-    with pytest.raises(IncompatibleDraftError, match="token .* differs"):
-        Engine.load(target_path, other_vocab_path, n_ctx=256)
+def test_pair_check_takes_other_vocab_through_text(target_path, other_vocab_path):
+    from localspec.models.pair import VocabInfo, check_pair
+
+    e = Engine.load(target_path, other_vocab_path, n_ctx=256)
+    try:
+        assert e.draft_kind == "cross-vocab"
+        none = VocabInfo("none", 0, -1, -1, False, False, [])
+        with pytest.raises(IncompatibleDraftError, match="the draft has no tokenizer"):
+            check_pair(e.target.vocab_info(), none)
+    finally:
+        e.close()
 
 
 def test_pair_check_reports_first_difference():

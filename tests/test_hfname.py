@@ -100,12 +100,12 @@ def test_settings_and_tune_key_accept_hub_names(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- against the fake hub
 @pytest.fixture
-def hub(env, monkeypatch, target_path, draft_path, other_vocab_path):
+def hub(env, monkeypatch, target_path, draft_path, no_vocab_path):
     with FakeHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
         h.add_file("test/tiny", "target.gguf", target_path.read_bytes())
         h.add_file("test/tiny", "draft.gguf", draft_path.read_bytes())
-        h.add_file("test/tiny", "other.gguf", other_vocab_path.read_bytes())
+        h.add_file("test/tiny", "other.gguf", no_vocab_path.read_bytes())
         h.add_file(REPO, "README.md", b"# tiny\n")
         h.add_file(REPO, "tiny-Q4_K_M.gguf", target_path.read_bytes())
         h.add_file(REPO, "tiny-Q8_0.gguf", draft_path.read_bytes())

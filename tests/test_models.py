@@ -17,14 +17,14 @@ from localspec.models.spec import FileSpec
 
 
 @pytest.fixture
-def hub(env, monkeypatch, target_path, draft_path, other_vocab_path):
+def hub(env, monkeypatch, target_path, draft_path, no_vocab_path):
     with FakeHub() as h:
         monkeypatch.setenv("HF_ENDPOINT", h.url)
         monkeypatch.setenv("PIP_INDEX_URL", h.url + "/simple/")
         h.sha = {
             "target": h.add_file("test/tiny", "target.gguf", target_path.read_bytes()),
             "draft": h.add_file("test/tiny", "draft.gguf", draft_path.read_bytes()),
-            "other": h.add_file("test/tiny", "other.gguf", other_vocab_path.read_bytes()),
+            "other": h.add_file("test/tiny", "other.gguf", no_vocab_path.read_bytes()),
         }
         yield h
 
@@ -118,7 +118,7 @@ def test_header_only_compatibility_before_download(hub, env):
     good = registry.Pair("good", "", spec("target.gguf"), spec("draft.gguf"))
     _remote_compat(good)
     bad = registry.Pair("bad", "", spec("target.gguf"), spec("other.gguf"))
-    with pytest.raises(UsageError, match="cannot speculate: token"):
+    with pytest.raises(UsageError, match="cannot speculate: the draft has no tokenizer"):
         _remote_compat(bad)
     gets = [l for l in hub.log if l[0] == "GET"]
     assert gets and all(l[2] and l[2].startswith("bytes=") for l in gets)  # only ranged reads

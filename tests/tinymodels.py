@@ -260,3 +260,15 @@ def write_mamba(path: Path, seed: int, *, words=WORDS, n_embd=64, n_layer=2, d_s
     wr.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     wr.add_tensor("output.weight", _output(rng, emb, n_vocab, n_embd, bigram))
     return _finish(wr, path)
+
+
+def write_no_vocab(path: Path) -> Path:
+    """A llama-arch GGUF header without a tokenizer (no token list): no text can pass to or from it, so it can draft
+    for nothing. Its one tensor is a placeholder: only its header is ever read."""
+    import gguf
+
+    wr = gguf.GGUFWriter(str(path), "llama")
+    llama_kv(wr, "no-vocab", 2048, 64, 2, 128, 4, 1)
+    wr.add_tensor("output_norm.weight", np.ones(64, dtype=np.float32))
+    _finish(wr, path)
+    return path

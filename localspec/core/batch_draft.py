@@ -49,6 +49,9 @@ def batch_draft_reason(engine) -> str:
     draft = engine.draft
     if draft is None:
         return ""
+    if getattr(engine, "draft_kind", None) == "cross-vocab":  # its tokens are not the target's: one request at a time
+        return (f"the draft model {draft.name} has another vocabulary than the target (it drafts through text): "
+                "draft-model requests run on the single-sequence path")
     kind = getattr(draft, "rollback_kind", "kv")
     if kind != "kv":
         return (f"the draft model {draft.name} keeps a recurrent state ({kind} rollback): draft-model requests run "

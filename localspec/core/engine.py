@@ -85,7 +85,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self._lookup: PromptLookupDrafter | None = None
-        self._draft_drafter: DraftModelDrafter | None = None
+        self._draft_drafter: Drafter | None = None
         self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
         self.heads: dict[str, Drafter] = {}  # draft heads on the target's own context (eagle3, mtp), by method
         self.heads_unavailable: dict[str, str] = {}  # head kind -> why it could not be used with this target
@@ -101,8 +101,11 @@ class Engine:
         if chat_template is None and target.chat_template() is None:
             self.template_warning = (f"{target.name} has no chat template; using a plain 'role: content' transcript "
                                      "(give one with --chat-template FILE)")
+        # how the draft model drafts: "same-vocab" (its tokens are the target's), "cross-vocab" (through text), or
+        # "head" (a draft head given with -d, set by load); None: no draft
+        self.draft_kind: str | None = None
         if draft is not None:
-            check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+            self.draft_kind = check_pair(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
             if draft.n_ctx < target.n_ctx:
                 raise UsageError(f"draft context ({draft.n_ctx}) is smaller than the target's ({target.n_ctx})")
 
@@ -174,6 +177,8 @@ class Engine:
                 engine = cls(target, None, chat_template=chat_template)
                 dropped = str(exc)
             engine.dropped_draft = dropped
+            if kind in HEADS and kind in heads:
+                engine.draft_kind = "head"
             engine.heads.update(heads)
             engine.heads_unavailable.update(unavailable)
             return engine
@@ -232,7 +237,10 @@ class Engine:
         self._after_decode(*getattr(self.target, "last_replay", ((), 0)))
         self._after_decode(prompt[self.target.reused:], self.target.reused)
         if self.draft is not None and len(prompt) < self.draft.n_ctx:
-            self.draft.sync(prompt)
+            if self.draft_kind == "cross-vocab":  # its cache holds its own tokens for the prompt's text
+                self.draft_drafter(GenConfig()).catch_up(prompt)
+            else:
+                self.draft.sync(prompt)
         return decoded
 
     def raw_prompt(self, text: str) -> list[int]:
@@ -245,12 +253,18 @@ class Engine:
             d = self._lookup = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
         return d
 
-    def draft_drafter(self, cfg: GenConfig) -> DraftModelDrafter | None:
+    def draft_drafter(self, cfg: GenConfig) -> Drafter | None:
+        """The draft model's drafter: its tokens as the target's, or through text when its vocabulary differs."""
         if self.draft is None:
             return None
         if self._draft_drafter is None:
             cost = self.draft.size_bytes() / max(self.target.size_bytes(), 1)  # decoding is memory-bound
-            self._draft_drafter = DraftModelDrafter(self.draft, self.target.n_vocab, cfg.p_min, cost=cost)
+            if self.draft_kind == "cross-vocab":
+                from localspec.drafters.cross_vocab import CrossVocabDrafter
+
+                self._draft_drafter = CrossVocabDrafter(self.draft, self.target, cfg.p_min, cost=cost)
+            else:
+                self._draft_drafter = DraftModelDrafter(self.draft, self.target.n_vocab, cfg.p_min, cost=cost)
         self._draft_drafter.p_min = cfg.p_min
         return self._draft_drafter
 

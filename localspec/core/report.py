@@ -84,6 +84,8 @@ def run_json(fin, stats: Stats | None, engine, cfg, interrupted: bool = False, t
         "target": engine.target.name,
         "draft": engine.draft.name if engine.draft is not None else None,
         "draft_dropped": engine.dropped_draft,
+        # how the draft drafts: same-vocab, cross-vocab (through text), head; None without a draft
+        "draft_kind": getattr(engine, "draft_kind", None),
     }
 
 

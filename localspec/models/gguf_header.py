@@ -222,10 +222,25 @@ def head_incompatibility(target: dict, head: dict) -> str | None:
 
 
 def pair_incompatibility(target: dict, draft: dict) -> str | None:
-    """Why `draft` cannot speculate for `target` (a draft model: the vocabularies; a draft head: head_incompatibility);
-    None when it can."""
-    from localspec.models.pair import first_difference
+    """Why `draft` cannot speculate for `target` (a draft model: it needs a tokenizer on both sides; a draft head:
+    head_incompatibility); None when it can."""
+    kind, why = pair_kind(target, draft)
+    return why if kind is None else None
+
+
+def pair_kind(target: dict, draft: dict) -> tuple[str | None, str | None]:
+    """How `draft` would draft for `target`, from the two headers: ("head", None) for a draft head that fits,
+    ("same-vocab", None), ("cross-vocab", the vocabularies' first difference), or (None, why it cannot)."""
+    from localspec.models.pair import pair_kind as vocab_pair_kind
 
     if drafter_kind(draft) in HEAD_KINDS:
-        return head_incompatibility(target, draft)
-    return first_difference(vocab_info(target), vocab_info(draft))
+        why = head_incompatibility(target, draft)
+        return (None, why) if why else ("head", None)
+    return vocab_pair_kind(header_vocab(target), header_vocab(draft))
+
+
+def header_vocab(meta: dict) -> VocabInfo:
+    """vocab_info, or an empty vocabulary of type "none" for a file without a token list."""
+    if not isinstance(meta.get("tokenizer.ggml.tokens"), list):
+        return VocabInfo(vocab_type="none", n_vocab=0, bos=-1, eos=-1, add_bos=False, add_eos=False)
+    return vocab_info(meta)

@@ -1,0 +1,179 @@
+"""A draft model with another vocabulary drafts through text: exact at temperature 0, the target's distribution above
+it, unmappable tokens end a proposal, never the answer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import N_EXACT, PROMPTS
+from tinymodels import WORDS, write_model
+from localspec.core.engine import Engine, GenConfig
+from localspec.models.gguf_header import read_file_metadata
+from localspec.sample.sampling import SamplingParams
+
+# the target's words with the last two changed: the same weights (write_model draws them by shape), another vocabulary
+NEAR_WORDS = WORDS[:-2] + ["ta", "no"]
+
+
+@pytest.fixture(scope="module")
+def near_path(target_path, tmp_path_factory):
+    """A draft with the target's weights and a vocabulary that differs in two tokens: it agrees with the target
+    nearly everywhere, so proposals are long and mostly accepted."""
+    seed = int(str(read_file_metadata(target_path, tokens=False)["general.name"]).split("-")[1])
+    return write_model(tmp_path_factory.mktemp("near") / "near.gguf", seed, words=NEAR_WORDS)
+
+
+@pytest.fixture(scope="module")
+def plain(target_path):
+    e = Engine.load(target_path, None, n_ctx=1024)
+    try:
+        yield {p: e.complete(e.raw_prompt(p), GenConfig(method="none", max_tokens=N_EXACT)).tokens for p in PROMPTS}
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def other_engine(target_path, other_vocab_path):
+    e = Engine.load(target_path, other_vocab_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def near_engine(target_path, near_path):
+    e = Engine.load(target_path, near_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+def test_pair_is_cross_vocab(other_engine, near_engine):
+    from localspec.drafters.cross_vocab import CrossVocabDrafter
+
+    for e in (other_engine, near_engine):
+        assert e.draft_kind == "cross-vocab"
+        assert isinstance(e.draft_drafter(GenConfig()), CrossVocabDrafter)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_other_vocab_draft_equals_plain(other_engine, plain, k):
+    """A draft that shares nothing with the target (other words, merges): many rejections, the same tokens."""
+    drafted = 0
+    for p in PROMPTS:
+        r = other_engine.complete(other_engine.raw_prompt(p), GenConfig(method="draft", k=k, max_tokens=N_EXACT,
+                                                                         p_min=0.0))
+        assert r.tokens == plain[p], (p, k)
+        drafted += r.stats.drafted
+        assert r.stats.accepted < r.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("k", [2, 6])
+def test_near_vocab_draft_equals_plain_and_is_accepted(near_engine, plain, k):
+    for p in PROMPTS:
+        r = near_engine.complete(near_engine.raw_prompt(p), GenConfig(method="draft", k=k, max_tokens=N_EXACT,
+                                                                       p_min=0.0))
+        assert r.tokens == plain[p], (p, k)
+        assert r.stats.drafted > 0
+        # the same weights: most of what it drafts through text is the target's own choice
+        assert r.stats.accepted > 0.5 * r.stats.drafted, (p, r.stats.accepted, r.stats.drafted)
+        assert r.stats.method_used["draft"] > 0
+
+
+def test_draft_context_follows_text_without_drift(near_engine, plain):
+    """After a long answer the draft's cache holds exactly its own tokenization of the target's text."""
+    p = PROMPTS[0]
+    prompt = near_engine.raw_prompt(p)
+    near_engine.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0.0))
+    d = near_engine.draft_drafter(GenConfig())
+    context = prompt + plain[p][:-1]
+    assert d.lag(context) <= 8  # it followed the answer step by step
+    text = b"".join(near_engine.target.piece(t) for t in context[1:])  # the target's BOS left out
+    want = [near_engine.draft.vocab_info().bos] + d.dv.tokenize(text, parse_special=True)
+    assert d.draft_context(context) == want
+    d.catch_up(context)
+    assert near_engine.draft.tokens == want
+    # the cache it built over the answer was already that tokenization, but for the last few tokens
+    assert near_engine.draft.reused >= len(want) - 12, (near_engine.draft.reused, len(want))
+
+
+def test_auto_costs_the_cross_vocab_draft(near_engine, plain):
+    r = near_engine.complete(near_engine.raw_prompt(PROMPTS[1]), GenConfig(method="auto", k=4, max_tokens=N_EXACT))
+    assert r.tokens == plain[PROMPTS[1]]
+    assert "draft" in near_engine.drafters_for(GenConfig(), "auto")
+
+
+def test_sampled_cross_vocab_keeps_the_target_distribution(target_path, near_path):
+    """Temperature 1: the token at a drafted position has the same distribution with the cross-vocabulary draft
+    (deterministic proposals, Leviathan's rule with a one-hot q) as with plain sampling (chi-square, 1500 runs each)."""
+    e = Engine.load(target_path, near_path, n_ctx=256)
+    try:
+        prompt = e.raw_prompt("def f(x): return x")
+        sp = lambda s: SamplingParams(temperature=1.0, seed=s)  # noqa: E731
+
+        def hist(method, seed0, n):
+            c, drafted = {}, 0
+            for i in range(n):
+                r = e.complete(prompt, GenConfig(method=method, k=3, max_tokens=3, p_min=0,
+                                                 sampling=sp(seed0 + i)))
+                c[r.tokens[1]] = c.get(r.tokens[1], 0) + 1
+                drafted += r.stats.drafted
+            return c, drafted
+        n = 1500
+        (a, _), (b, drafted) = hist("none", 0, n), hist("draft", 10**6, n)
+        assert drafted > n // 2  # the position was drafted in most runs
+        keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
+        chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
+        dof = len(keys) - 1
+        assert dof >= 3
+        assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+    finally:
+        e.close()
+
+
+def test_unmappable_draft_token_ends_the_proposal_not_the_answer(near_engine, plain, monkeypatch):
+    """A draft control token (which has no text to map) in the middle of the draft's run: the proposal stops before
+    it and the answer goes on, identical to plain."""
+    from localspec.drafters import cross_vocab
+
+    d = near_engine.draft_drafter(GenConfig())
+    p, cfg = PROMPTS[2], GenConfig(method="draft", k=6, max_tokens=N_EXACT, p_min=0.0)
+    free = near_engine.complete(near_engine.raw_prompt(p), cfg)
+    assert len(free.stats.drafted_at) >= 4  # without the control token, proposals grow long
+    im_end = near_engine.draft.tokenize("<|im_end|>", add_special=False, parse_special=True)
+    assert len(im_end) == 1 and d.dv.is_control(im_end[0])
+    real = near_engine.draft.decode
+    calls = {"n": 0}
+
+    def decode(tokens, rows="last", copy=True, **kw):
+        out = real(tokens, rows, copy=True, **kw)
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:  # every second draft row prefers the control token
+            out[-1][im_end[0]] = out[-1].max() + 10.0
+        return out
+
+    monkeypatch.setattr(near_engine.draft, "decode", decode)
+    r = near_engine.complete(near_engine.raw_prompt(p), cfg)
+    assert r.tokens == plain[p]
+    assert r.stats.drafted > 0 and r.finish_reason == "length"
+    # a proposal never runs past a control token: one draft row at most before one, so short proposals only
+    assert len(r.stats.drafted_at) <= 2, r.stats.drafted_at
+
+
+def test_to_target_stops_where_the_target_cannot_represent_the_bytes(near_engine):
+    from localspec.drafters.cross_vocab import to_target
+
+    tv = near_engine.draft_drafter(GenConfig()).tv
+    ok = to_target(tv, b" the", b" x = y")
+    assert ok and b"".join(near_engine.target.piece(t) for t in ok) == b" x = y"
+    # a byte the target renders otherwise (its unknown token stands for it): the list ends before it
+    real = tv.model.piece
+    unk = {0}
+    tv.model.piece = lambda t: b"\xe2\x96\x85" if t in unk else real(t)  # noqa: E731
+    try:
+        ids = tv.tokenize(b" the x", parse_special=False)
+        unk.clear()
+        unk.add(ids[-1])
+        assert to_target(tv, b" the", b" x") == []
+    finally:
+        del tv.model.piece
