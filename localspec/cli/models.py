@@ -17,8 +17,9 @@ models_app = typer.Typer(help="List, download, inspect and add model pairs.", no
 
 @models_app.command("list")
 def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
-                local: Annotated[bool, typer.Option("--local", help="Only what is downloaded (any of its files).")] = False):
-    """Pairs, and hub models fetched by name, whether downloaded, sizes and local paths."""
+                local: Annotated[bool, typer.Option("--local", help="Only what is on this machine: downloaded pairs and hub models, and the GGUFs of Ollama, LM Studio and llama.cpp's cache.")] = False):
+    """Pairs, and hub models fetched by name, whether downloaded, sizes and local paths. With --local, also the models
+    other runners keep here (Ollama's store, LM Studio's folders, llama.cpp's download cache), read where they lie."""
     from localspec.models import download
     from localspec.models import hubname as hfname
     from localspec.models import registry
@@ -44,6 +45,12 @@ def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
                          "target": f, "draft": None})
     if local:
         rows = [r for r in rows if any(r[role] and r[role]["downloaded"] for role in ("target", "draft"))]
+        from localspec.models import local as stores
+
+        for m in stores.local_models(hf=False):  # other runners' files: -m/-d take the name or the path
+            f = {"file": m.path.name, "size": m.size, "downloaded": True, "path": str(m.path)}
+            rows.append({"name": m.name, "default": False, "description": f"{m.source} model", "k": None,
+                         "source": m.source, "target": f, "draft": None})
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
         return
@@ -166,8 +173,12 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     from localspec.models import rollback
     from localspec.models.gguf_header import drafter_kind, drafter_words, pair_incompatibility, read_file_metadata, summary
 
+    from localspec.models import local as stores
+
     files: dict[str, Path] = {}
-    if registry.looks_like_path(what):
+    if stores.is_ollama_name(what):
+        files["model"] = stores.ollama_path(what)
+    elif registry.looks_like_path(what):
         p = Path(what).expanduser()
         if not p.is_file():
             raise UsageError(f"no such file: {what}")
@@ -188,9 +199,12 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
                      "rollback": rollback.kind_for_arch(str(metas[role].get("general.architecture", ""))),
                      "drafter": kind or ("draft model" if role == "draft" else None)}
     if "draft" in metas:
-        why = pair_incompatibility(metas["target"], metas["draft"])
-        out["compatible"] = why is None
+        from localspec.models.gguf_header import pair_kind
+
+        kind, why = pair_kind(metas["target"], metas["draft"])
+        out["compatible"] = kind is not None
         out["difference"] = why
+        out["drafting"] = kind  # same-vocab, cross-vocab (through text), head; None: it cannot draft
     if as_json:
         typer.echo(json.dumps(out, indent=1))
         return
@@ -202,8 +216,16 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
                     v = drafter_words(metas[role], role)
                 typer.echo(printable(f"  {k}: {rollback.WORDS.get(v, v) if k == 'rollback' else v}"))
     if "compatible" in out:
-        typer.echo(printable("pair: " + ("compatible (can speculate)" if out["compatible"]
-                                         else f"INCOMPATIBLE: {out['difference']}")))
+        from localspec.models.pair import KIND_WORDS
+
+        if not out["compatible"]:
+            verdict = f"INCOMPATIBLE: {out['difference']}"
+        elif out["drafting"] == "cross-vocab":
+            verdict = f"compatible, drafts through text (another vocabulary: {out['difference']})"
+        else:
+            verdict = f"compatible, drafts with the {KIND_WORDS[out['drafting']]}" if out["drafting"] != "head" \
+                else "compatible, drafts as a head on the target's hidden states"
+        typer.echo(printable("pair: " + verdict))
 
 
 @models_app.command("add")
@@ -234,8 +256,45 @@ def models_add(
     if metas is None:
         kind = "unknown (the headers could not be read now)"
     elif d is not None:
-        kind = drafter_kind(metas[1]) or "draft model"
+        from localspec.models.gguf_header import pair_kind
+        from localspec.models.pair import KIND_WORDS
+
+        how = pair_kind(*metas)[0]
+        kind = drafter_kind(metas[1]) or ("draft model" + (f", {KIND_WORDS[how]}" if how == "cross-vocab" else ""))
     else:
         kind = "mtp" if drafter_kind(metas[0]) == "mtp" else "prompt lookup"
     sys.stderr.write(printable(f"added pair {name} to {path} (drafter: {kind})") + "\n")
 
+
+
+@models_app.command("pairs")
+def models_pairs(as_json: Annotated[bool, typer.Option("--json")] = False):
+    """Which of the models on this machine can draft for which, and how (same vocabulary, through text, head), from
+    their GGUF headers alone: downloaded pairs and hub models, Ollama's store, LM Studio's folders, llama.cpp's cache."""
+    from localspec.models import download
+    from localspec.models import local as stores
+    from localspec.models import registry
+
+    models = stores.local_models()
+    seen = {m.path.resolve() for m in models}
+    pairs, _ = registry.load()
+    for name, p in pairs.items():  # downloaded pair files too, named by the pair
+        for role, spec in (("target", p.target), ("draft", p.draft)):
+            lp = download.local_path(spec) if spec is not None else None
+            if lp is not None and lp.resolve() not in seen:
+                seen.add(lp.resolve())
+                models.append(stores.LocalModel("pair", f"{name} ({role})", lp, lp.stat().st_size))
+    rows, bad = stores.pairs(models)
+    if as_json:
+        typer.echo(json.dumps({"pairs": rows, "unreadable": bad}, indent=1))
+        return
+    for b in bad:
+        sys.stderr.write(printable(f"skipped {b['path']}: {b['error']}") + "\n")
+    if not rows:
+        typer.echo(f"no pairs among the {len(models)} local model(s)")
+        return
+    from localspec.cli.table import print_table
+
+    print_table(["target", "draft", "how", "draft size"],
+                [[printable(r["target"]), printable(r["draft"]), r["how"],
+                  f"{r['size_ratio']:.0%} of the target" if r["size_ratio"] is not None else "?"] for r in rows])

@@ -47,7 +47,7 @@ class TextVocab:
     def __init__(self, model) -> None:
         self.model = model
         self.ll = lib.require()
-        self.vocab = model._vocab
+        self.vocab = self.ll.llama_model_get_vocab(model.model_handle)
         self._special: dict[int, bytes] = {}
         probe = self.tokenize(b"a", parse_special=False)
         rendered = b"".join(model.piece(t) for t in probe)

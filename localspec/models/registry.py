@@ -159,14 +159,18 @@ def looks_like_path(s: str) -> bool:
 
 
 def resolve_name(s: str):
-    """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path;
+    """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path, and
+    so is ollama:NAME[:TAG] (the blob in Ollama's store, models/local.py);
     a pair name wins over a hub name; `A/B` that is neither is a hub repo; anything else written like a path is a
     (missing) path, and the rest an unknown pair name (UsageError with suggestions)."""
     from localspec.models import hubname as hfname
+    from localspec.models import local
 
     p = Path(s).expanduser()
     if p.is_file():
         return "path", p
+    if local.is_ollama_name(s):  # ollama:NAME[:TAG], read where Ollama keeps it
+        return "path", local.ollama_path(s)
     pairs, _ = load()
     if s in pairs:
         return "pair", pairs[s]
