@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # the drafter kinds, by the method name that selects each (drafters/registry.py maps each to its class and checks
 # that both lists agree); auto: the controller picks among them; none: plain decoding
-DRAFTER_KINDS = ("draft", "lookup", "eagle3", "mtp", "dflash")
+DRAFTER_KINDS = ("draft", "lookup", "suffix", "eagle3", "mtp", "dflash")
 HEAD_KINDS = ("eagle3", "mtp", "dflash")  # drafters built on the target's own context
 METHODS = ("auto", *DRAFTER_KINDS, "none")
 
@@ -22,4 +22,5 @@ MIN_CTX = 16
 P_MIN = 0.75
 LOOKUP_MIN = 2
 LOOKUP_MAX = 4
+SUFFIX_CACHE_TOKENS = 100_000  # tokens of earlier prompts and answers the suffix drafter keeps (~0.6 MB on disk)
 AUTO_MIN_BIT_K = 2  # auto keeps bit-exactness when the probe's cap leaves at least this many draft tokens

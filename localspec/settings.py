@@ -37,6 +37,10 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "tensor_split": (str, None, "share of the target's layers per device with rpc, e.g. 3,1 (default: by free memory)"),
     "system": (str, None, "system prompt"),
     "history": (bool, True, "store chats in the history (`localspec history`); false: nothing is stored"),
+    "suffix_cache": (bool, True, "keep earlier prompts and answers for the suffix drafter across sessions, in the cache "
+                                 "dir (`localspec cache`); false: within a process only"),
+    "suffix_cache_tokens": (int, D.SUFFIX_CACHE_TOKENS, "most tokens the suffix cache keeps (oldest requests dropped "
+                                                        "first; 0 = no cache)"),
 }
 
 TRUE_WORDS = ("1", "true", "yes", "on")

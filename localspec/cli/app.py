@@ -13,6 +13,7 @@ import typer
 
 from localspec import __version__
 from localspec.cli import bench as bench_cmds
+from localspec.cli import cache as cache_cmds
 from localspec.cli import chat as chat_cmd
 from localspec.cli import config as config_cmds
 from localspec.cli import doctor as doctor_cmd
@@ -72,8 +73,9 @@ app.command()(bench_cmds.tune)
 app.command(epilog=worker_cmd.EPILOG)(worker_cmd.worker)
 app.add_typer(history_cmds.history_app, name="history")
 app.command(epilog=serve_cmd.EPILOG)(serve_cmd.serve)
+app.add_typer(cache_cmds.cache_app, name="cache")
 
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker", "history", "serve"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker", "history", "serve", "cache"}
 
 
 def _on_signal(signum, frame) -> None:

@@ -115,6 +115,7 @@ class BatchEngine:
         self.n_ctx = self.ms.n_ctx
         self.runs: list[_Run | None] = [None] * n_slots
         self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
+        self.suffixes: list = [None] * n_slots  # each slot's suffix drafter, over the process's shared corpus
         self.controller_state: dict = {}
         self._exact: ProbeResult | None = None
         self._curve: dict[int, float] | None = None  # the target's T(b)/T(1), once asked for
@@ -298,6 +299,9 @@ class BatchEngine:
             if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
                 d = self.lookups[seq] = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
             drafters = {"lookup": d} if method in ("auto", "lookup") else {}
+            if method in ("auto", "suffix"):
+                drafters["suffix"] = self._suffix_drafter(seq)
+                drafters["suffix"].beside_lookup = "lookup" in drafters
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
@@ -306,7 +310,8 @@ class BatchEngine:
         stats = new_stats(cfg, label, k, level, why)
         stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
         if method == "auto" and label != "none" and "draft" not in policy.drafters:
-            stats.reason = "; ".join(x for x in (stats.reason, "batched: auto speculates with prompt lookup") if x)
+            why = "batched: auto speculates with prompt lookup and the suffix cache"
+            stats.reason = "; ".join(x for x in (stats.reason, why) if x)
         stats.prompt_tokens = len(prompt)
         stats.cached_prompt_tokens = common
         stats.started = time.perf_counter()
@@ -316,6 +321,20 @@ class BatchEngine:
         self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats,
                               sink=sink or (lambda ev: None), cancel=cancel)
         return seq
+
+    def _suffix_drafter(self, seq: int):
+        """Slot `seq`'s suffix drafter. The requests finished in the other free slots join the shared corpus first,
+        so this one drafts from them."""
+        from localspec.drafters.suffix import SuffixDrafter, corpus_for
+
+        corpus = corpus_for(self.target, self.engine.suffix_scope)
+        for s, d in enumerate(self.suffixes):
+            if s != seq and d is not None and self.runs[s] is None:
+                d.finish()
+        d = self.suffixes[seq]
+        if d is None or d.corpus is not corpus:
+            d = self.suffixes[seq] = SuffixDrafter(corpus)
+        return d
 
     def _choose_slot(self, prompt: list[int], free: list[int]) -> int:
         """The free slot for a new request: the one whose cache shares the longest prefix with the prompt when that

@@ -86,6 +86,10 @@ class Engine:
         self.draft = draft
         self._lookup: PromptLookupDrafter | None = None
         self._draft_drafter: Drafter | None = None
+        self._suffix: Drafter | None = None
+        # whose earlier text the suffix drafter may draft from: "" the user's own (run, chat, serve without a key);
+        # a server with an API key sets its key's scope (store/suffixcache.scope_of)
+        self.suffix_scope = ""
         self._hooked: list[Drafter] = []  # drafters whose after-decode hook runs (the current policy's)
         self.heads: dict[str, Drafter] = {}  # draft heads on the target's own context (eagle3, mtp), by method
         self.heads_unavailable: dict[str, str] = {}  # head kind -> why it could not be used with this target
@@ -268,11 +272,25 @@ class Engine:
         self._draft_drafter.p_min = cfg.p_min
         return self._draft_drafter
 
+    def suffix_drafter(self) -> Drafter:
+        """The suffix drafter over this process's corpus of the engine's scope (drafters/suffix.py)."""
+        from localspec.drafters.suffix import SuffixDrafter, corpus_for
+
+        corpus = corpus_for(self.target, self.suffix_scope)
+        if self._suffix is None or self._suffix.corpus is not corpus:
+            if self._suffix is not None:  # another scope's: its last request joins its own corpus
+                self._suffix.finish()
+            self._suffix = SuffixDrafter(corpus)
+        return self._suffix
+
     def drafters_for(self, cfg: GenConfig, method: str) -> dict[str, Drafter]:
         """The drafters `method` may use with what is loaded (auto: all of them)."""
         out: dict[str, Drafter] = {}
         if method in ("auto", "lookup"):
             out["lookup"] = self.lookup_drafter(cfg)
+        if method in ("auto", "suffix"):
+            out["suffix"] = self.suffix_drafter()
+            out["suffix"].beside_lookup = "lookup" in out
         if method in ("auto", "draft") and self.draft is not None and _can_rollback(self.draft):
             out["draft"] = self.draft_drafter(cfg)
         for kind, head in self.heads.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from localspec.defaults import HEAD_KINDS
 from localspec.drafters.base import Drafter
 from localspec.knobs import knobs
 
@@ -453,6 +454,6 @@ def build_policy(cfg, method: str, k: int, drafters: dict[str, Drafter], state: 
         curve = costs(k_max + 1) if costs is not None else None
         return AdaptivePolicy(drafters, k_max, state, None, curve, bit_cap=bit_cap), method
     if method == "auto":
-        heads = [d for d in drafters if d not in ("lookup", "draft")]
+        heads = [d for d in drafters if d in HEAD_KINDS]
         method = heads[0] if heads else ("draft" if "draft" in drafters else "lookup")
     return FixedPolicy(drafters[method], k), method

@@ -38,6 +38,7 @@ from localspec.server.queue import ClientGone, Job, Worker, next_event
 from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
 from localspec.server.schemas import ChatRequest, Common, CompletionRequest, chat_messages, completion_prompt, \
     logit_bias_of, logprobs_of, parse_body, stops
+from localspec.store.suffixcache import scope_of
 
 
 def model_id(session) -> str:
@@ -300,6 +301,8 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     cfg = _config(config, api_key=api_key, queue_size=queue_size, max_body=max_body).check()
     if session.engine is None:
         session.load()
+    # requests draft from earlier requests' text only under the same API key (none configured: the user's own cache)
+    session.engine.suffix_scope = scope_of(cfg.api_key)
     cfg = cfg.resolved(S.gen_config(session.values()).k, on_gpu=getattr(session.engine.target, "n_gpu_layers", 0) != 0)
     gens = Generations(session, cfg, log)
     engine, base, name, worker = gens.engine, gens.base, gens.name, gens.worker

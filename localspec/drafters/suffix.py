@@ -1,0 +1,429 @@
+"""Suffix drafter: drafts from earlier prompts and answers, of this request, of earlier requests in this process, and
+of earlier sessions (a corpus persisted by store/suffixcache.py), after SuffixDecoding (vLLM `method: suffix`).
+
+The structure is an n-gram index with occurrence chains, not a suffix tree or automaton. Each indexed n-gram (n in
+KEYS) maps to its latest occurrence and every occurrence links to the one before (a hash chain, as llama.cpp's
+lookup caches), so a match costs a dictionary read and a walk of at most OCC_MAX links, appending a token costs one
+hash per key length, and dropping the oldest requests is a rebuild of flat arrays (numpy, ~0.1 s per 100k tokens).
+A suffix automaton would find the longest match in one walk, but its occurrence counts cannot be kept up to date
+incrementally and it cannot forget old text without a rebuild either; a suffix trie of depth 24 holds ~24 nodes per
+token (a Python dict each), against ~4 machine ints per token here.
+
+A match is the longest context tail (up to DEPTH tokens) that occurred before; the proposal follows what came after
+those occurrences by majority, token by token, while the continuation's share of them stays at SHARE_MIN or above
+(two earlier answers that split there halve it), so its length follows its confidence.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+import weakref
+from array import array
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from localspec.sample.sampling import SamplingParams
+from localspec.seq import common_prefix
+from localspec.drafters.base import Drafter, Offer, Proposal
+
+KEYS = (8, 4, 2)  # n-gram lengths indexed, longest first: the longest one with an occurrence is the match
+OCC_MAX = 32  # occurrences of one n-gram looked at, newest first (a frequent gram's old occurrences say little)
+DEPTH = 24  # how far back a match is compared (SuffixDecoding's tree depth)
+SHARE_MIN = 0.4  # a continuation is proposed while its share of the matched occurrences stays at least this
+# beside prompt lookup (auto), only matches into earlier requests are offered (lookup drafts the request's own text,
+# and two estimates of the same matches doubled what auto spent finding out they do not pay), from this reach on
+CORPUS_REACH_MIN = 4
+_LIVE = 1 << 40  # the recency rank of the request's own occurrences: newer than any in the corpus
+SEP = -1  # between documents in the corpus: never in a context, so no match or continuation crosses it
+_P = 0x100000001B3  # n-gram hash multiplier (FNV-64 prime); keys are 64-bit, a collision is caught by the reach check
+_MASK = (1 << 64) - 1
+# reach -> the estimate that judges the proposal, and the acceptance it starts from until its shadows are judged. A
+# match that reaches 12 tokens back is a copy in progress (prompt_lookup.REACH_BANDS); shorter matches into earlier
+# requests often stand on shared boilerplate (the chat template, a code preamble), so they start lower than lookup's:
+# replayed on the recorded Qwen answers with the other answers cached, lookup's priors drafted them at a loss (0.96x
+# plain on the AVX-512 curve), these keep every answer at >= 0.97x and a repeated answer at 1.3-2.1x.
+REACH_BANDS = ((0, 3, "2-3", 0.3), (4, 11, "4-11", 0.4), (12, DEPTH, "12+", 0.9))
+
+
+def gram_key(tokens: Sequence[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = (h * _P + t) & _MASK
+    return h
+
+
+class NgramIndex:
+    """Tokens (SEP between documents) with, per n in KEYS, the latest position e whose preceding n tokens hash to a
+    key and the previous such position (`prev[n][e]`, -1: none). A position is indexed only where a continuation
+    follows (tokens[e] is a token) and its n-gram holds no SEP. The tokens given at construction are indexed in
+    numpy (their latest positions in sorted arrays); those appended later, one by one (a dict over them)."""
+
+    def __init__(self, tokens: Sequence[int] = ()) -> None:
+        self.toks = array("i")
+        self.heads: dict[int, dict[int, int]] = {n: {} for n in KEYS}
+        self.prev: dict[int, array] = {n: array("i") for n in KEYS}
+        self._bulk: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n -> (sorted keys, latest position of each)
+        self._last_sep = -1
+        if len(tokens) > 64:
+            self._build(tokens)
+        else:
+            self.extend(tokens)
+
+    def __len__(self) -> int:
+        return len(self.toks)
+
+    def head(self, n: int, key: int) -> int:
+        """The latest position whose preceding n-gram hashes to `key` (-1: none)."""
+        e = self.heads[n].get(key)
+        if e is not None:
+            return e
+        bulk = self._bulk.get(n)
+        if bulk is None:
+            return -1
+        keys, last = bulk
+        i = int(np.searchsorted(keys, np.uint64(key)))
+        return int(last[i]) if i < len(keys) and int(keys[i]) == key else -1
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        toks = self.toks
+        for t in tokens:
+            e = len(toks)
+            toks.append(t)
+            if t == SEP:
+                self._last_sep = e
+            for n, heads in self.heads.items():
+                if t != SEP and e - n > self._last_sep:
+                    key = gram_key(toks[e - n:e])
+                    self.prev[n].append(self.head(n, key))
+                    heads[key] = e
+                else:
+                    self.prev[n].append(-1)
+
+    def _build(self, tokens: Sequence[int]) -> None:
+        """Index a fresh token list at once, in numpy: the same chains as extend() one token at a time."""
+        new = np.asarray(tokens, dtype=np.int64)
+        self.toks.frombytes(new.astype(np.int32).tobytes())
+        seps = np.flatnonzero(new == SEP)
+        sep_at = np.full(len(new), -1, dtype=np.int64)
+        sep_at[seps] = seps
+        sep_before = np.concatenate([[-1], np.maximum.accumulate(sep_at)[:-1]])  # the last SEP before each position
+        if len(seps):
+            self._last_sep = int(seps[-1])
+        pos = np.arange(len(new))
+        vals = np.where(new == SEP, 0, new).astype(np.uint64)
+        for n in KEYS:
+            prev = np.full(len(new), -1, dtype=np.int64)
+            sel = np.flatnonzero((new != SEP) & (pos - n > sep_before) & (pos >= n))
+            if len(sel):
+                keys = np.zeros(len(sel), dtype=np.uint64)
+                with np.errstate(over="ignore"):
+                    for i in range(n):
+                        keys = keys * np.uint64(_P) + vals[sel - n + i]
+                order = np.argsort(keys, kind="stable")  # by key, then by position
+                k_sorted, p_sorted = keys[order], sel[order]
+                same = k_sorted[1:] == k_sorted[:-1]
+                prev[p_sorted[1:][same]] = p_sorted[:-1][same]
+                last = np.concatenate([~same, [True]])
+                self._bulk[n] = (k_sorted[last], p_sorted[last])
+            self.prev[n].frombytes(prev.astype(np.int32).tobytes())
+
+    def chain(self, n: int, key: int, limit: int = OCC_MAX):
+        """Positions whose preceding n-gram hashes to `key`, newest first, at most `limit`."""
+        e = self.head(n, key)
+        prev = self.prev[n]
+        while e >= 0 and limit > 0:
+            yield e
+            e = prev[e]
+            limit -= 1
+
+
+def _reach(toks, e: int, ctx: Sequence[int]) -> int:
+    """How many tokens before position e agree with the context's tail (up to DEPTH; a SEP never agrees)."""
+    n, m = 0, len(ctx)
+    while n < DEPTH and n < m and e - 1 - n >= 0 and toks[e - 1 - n] == ctx[m - 1 - n]:
+        n += 1
+    return n
+
+
+@dataclass
+class Doc:
+    """One request's tokens (prompt and answer) as the corpus keeps them; `t` orders eviction (oldest first)."""
+
+    id: str
+    t: float
+    tokens: list[int]
+
+
+class SuffixCorpus:
+    """The finished requests of one scope (a process's requests, or those of one API key), oldest first, with their
+    index. `store` (store/suffixcache.SuffixFile, or None: nothing persists) saves them across sessions: the docs
+    added here since the last save and the requests in progress, merged into the file under its lock."""
+
+    def __init__(self, max_tokens: int, docs: Sequence[Doc] = (), store=None, save_every_s: float = 60.0) -> None:
+        self.max_tokens = max(0, int(max_tokens))
+        self.store = store
+        self.save_every_s = save_every_s
+        self.docs: list[Doc] = []
+        self.total = 0
+        self.version = 0  # bumped on every change: a drafter's memo of its last match is then stale
+        self.index = NgramIndex()
+        self._unsaved: dict[str, Doc] = {}
+        self._live: weakref.WeakSet = weakref.WeakSet()  # drafters whose request in progress a save includes
+        self._lock = threading.RLock()
+        self._saved_at = time.monotonic()
+        self._rebuild(docs)
+        if store is not None:
+            _AT_EXIT.add(self)
+
+    def _kept(self, doc: Doc) -> Doc | None:
+        toks = doc.tokens[-self.max_tokens:] if self.max_tokens else []
+        return Doc(doc.id, doc.t, [int(t) for t in toks]) if len(toks) >= 2 else None
+
+    def _rebuild(self, docs: Sequence[Doc]) -> None:
+        """The corpus of `docs` (oldest first): the newest that fit the bound, indexed at once."""
+        keep, total = [], 0
+        for d in reversed([k for k in map(self._kept, docs) if k is not None]):
+            if total + len(d.tokens) > self.max_tokens and keep:
+                break
+            keep.append(d)
+            total += len(d.tokens)
+        self.docs, self.total = keep[::-1], total
+        flat: list[int] = []
+        for d in self.docs:
+            flat += ([SEP] if flat else []) + d.tokens
+        self.index = NgramIndex(flat)
+
+    def _append(self, doc: Doc) -> None:
+        doc = self._kept(doc)
+        if doc is None:
+            return
+        if self.total + len(doc.tokens) > self.max_tokens:
+            # oldest first, down to 90% of the bound: one rebuild every tenth of it, not one per request
+            docs, total = self.docs + [doc], self.total + len(doc.tokens)
+            while total > self.max_tokens * 0.9 and len(docs) > 1:
+                total -= len(docs.pop(0).tokens)
+            self._rebuild(docs)
+            return
+        self.docs.append(doc)
+        self.total += len(doc.tokens)
+        self.index.extend(([SEP] if len(self.index) else []) + doc.tokens)
+
+    def commit(self, doc: Doc) -> None:
+        """A finished request joins the corpus (and the next save)."""
+        with self._lock:
+            self._append(doc)
+            self.version += 1
+            if self.store is not None:
+                self._unsaved[doc.id] = doc
+                if time.monotonic() - self._saved_at >= self.save_every_s:
+                    self.save()
+
+    def attach(self, drafter: "SuffixDrafter") -> None:
+        self._live.add(drafter)
+
+    def save(self) -> None:
+        """Write the new docs and the requests in progress to the store (never raises: a cache that cannot be
+        written only costs speed; the store says why once)."""
+        if self.store is None:
+            return
+        with self._lock:
+            docs = dict(self._unsaved)
+            for d in list(self._live):
+                live = d.snapshot()
+                if live is not None:
+                    docs[live.id] = live
+            self._saved_at = time.monotonic()
+            if docs and self.store.save(list(docs.values())):
+                self._unsaved.clear()
+
+
+class _AtExit:
+    """Saves every persisted corpus when the process ends (`localspec run` answers once and exits)."""
+
+    def __init__(self) -> None:
+        self.corpora: weakref.WeakSet = weakref.WeakSet()
+        self.registered = False
+
+    def add(self, corpus: SuffixCorpus) -> None:
+        if not self.registered:
+            import atexit
+
+            atexit.register(self.run)
+            self.registered = True
+        self.corpora.add(corpus)
+
+    def run(self) -> None:
+        for c in list(self.corpora):
+            c.save()
+
+
+_AT_EXIT = _AtExit()
+
+
+class SuffixDrafter(Drafter):
+    """Proposes the continuation that most often followed the context's longest earlier match, in this request or
+    in `corpus` (None: this request only). Free to ask and a function of the context: judged by its shadow, as
+    prompt lookup is. beside_lookup: prompt lookup drafts too (auto), so only matches into the corpus that reach
+    CORPUS_REACH_MIN tokens back are offered."""
+
+    name = "suffix"
+    shadowed = True
+
+    def __init__(self, corpus: SuffixCorpus | None = None, share_min: float = SHARE_MIN,
+                 clock: Callable[[], float] = time.time, beside_lookup: bool = False) -> None:
+        self.corpus = corpus
+        self.share_min = share_min
+        self.beside_lookup = beside_lookup
+        self.clock = clock
+        self._ctx: list[int] | None = None  # the request's context as the generation grows it (its own list)
+        self._doc = Doc("", 0.0, [])
+        self._live = NgramIndex()
+        self._memo: tuple | None = None
+        if corpus is not None:
+            corpus.attach(self)
+
+    # ------------------------------------------------------------ the request in progress
+    def begin(self, context: Sequence[int]) -> None:
+        prev = self._ctx
+        if prev is context:  # the same generation, asked again
+            self._sync(context)
+            return
+        if prev is not None and common_prefix(prev, context) == len(prev):  # a continued chat: the document grows
+            self._ctx = context if isinstance(context, list) else list(context)
+            self._sync(self._ctx)
+            return
+        if prev is not None:
+            self.finish()
+        self._ctx = context if isinstance(context, list) else list(context)
+        self._doc = Doc(uuid.uuid4().hex, self.clock(), [])
+        self._live = NgramIndex(self._ctx)
+        self._memo = None
+
+    def finish(self) -> None:
+        """The request in progress is over: it joins the corpus, where the next requests find it."""
+        if self._ctx is not None and self.corpus is not None:
+            self.corpus.commit(Doc(self._doc.id, self._doc.t, list(self._ctx)))
+        self._ctx = None
+        self._live = NgramIndex()
+        self._memo = None
+
+    def snapshot(self) -> Doc | None:
+        """The request in progress as a document (what a save keeps of it)."""
+        if self._ctx is None or len(self._ctx) < 2:
+            return None
+        return Doc(self._doc.id, self._doc.t, list(self._ctx))
+
+    def _sync(self, context: Sequence[int]) -> None:
+        """Index the context's new tokens; a context that is not a continuation starts over."""
+        known = len(self._live)
+        if len(context) < known or (known and context[known - 1] != self._live.toks[-1]):
+            self._live = NgramIndex(context)
+            self._memo = None
+        elif len(context) > known:
+            self._live.extend(context[known:])
+
+    # ------------------------------------------------------------ matching
+    def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(up to k proposed tokens, how far back the match reaches); ([], 0) without a confident match."""
+        self.begin(context)  # the same list as the generation's: a length check; else a continuation or a new one
+        version = self.corpus.version if self.corpus is not None else 0
+        memo = self._memo
+        if memo is not None and memo[0] == (len(context), version) and (memo[1] >= k or len(memo[2]) < memo[1]):
+            return memo[2][:k], memo[3]
+        reach, cands = self._candidates(context)
+        if self.beside_lookup and (reach < CORPUS_REACH_MIN or all(c[2] >= _LIVE for c in cands)):
+            cands = []
+        tokens = self._continue(cands, k) if cands else []
+        self._memo = ((len(context), version), k, tokens, reach)
+        return tokens, reach
+
+    def _candidates(self, ctx: Sequence[int]) -> tuple[int, list[tuple]]:
+        """(reach, occurrences that reach that far back as (tokens, position, recency)) for the longest key length
+        with an occurrence; the newest OCC_MAX occurrences of each index are looked at."""
+        sources = [(self._live, _LIVE)] + ([(self.corpus.index, 0)] if self.corpus is not None else [])
+        for n in KEYS:
+            if len(ctx) < n:
+                continue
+            key = gram_key(ctx[-n:])
+            found = []
+            for idx, rank in sources:
+                for e in idx.chain(n, key):
+                    r = _reach(idx.toks, e, ctx)
+                    if r >= n:  # else a hash collision
+                        found.append((r, idx.toks, e, rank + e))
+            if found:
+                best = max(f[0] for f in found)
+                return best, [f[1:] for f in found if f[0] == best]
+        return 0, []
+
+    def _continue(self, cands: list[tuple], k: int) -> list[int]:
+        """The majority continuation of the occurrences, token by token, while its share of them (counted from
+        the first token) stays at least share_min; ties go to the newest occurrence."""
+        out: list[int] = []
+        share = 1.0
+        for j in range(k):
+            votes: dict[int, list] = {}
+            for toks, e, rank in cands:
+                i = e + j
+                if i < len(toks):
+                    t = toks[i]
+                    if t != SEP:
+                        v = votes.get(t)
+                        if v is None:
+                            votes[t] = [1, rank, [(toks, e, rank)]]
+                        else:
+                            v[0] += 1
+                            v[1] = max(v[1], rank)
+                            v[2].append((toks, e, rank))
+            if not votes:
+                break
+            t, (count, _, members) = max(votes.items(), key=lambda kv: (kv[1][0], kv[1][1]))
+            share *= count / len(cands)
+            if share < self.share_min:
+                break
+            out.append(int(t))
+            cands = members
+        return out
+
+    # ------------------------------------------------------------ the drafter contract
+    def offer(self, context: Sequence[int], k: int) -> Offer | None:
+        """The continuation this step would propose, judged by how far back its match reaches (keys
+        "suffix@2-3", "suffix@4-11", "suffix@12+", as prompt lookup's)."""
+        if k <= 0:
+            return None
+        tokens, reach = self.match(context, k)
+        if not tokens:
+            return None
+        band, prior = next((b, p) for lo, hi, b, p in REACH_BANDS if lo <= reach <= hi)
+        return Offer(len(tokens), f"{self.name}@{band}", prior)
+
+    def cost(self) -> float:
+        return 0.0  # dictionary reads and a short walk, next to nothing beside a target step
+
+    def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
+        if k <= 0:
+            return Proposal()
+        tokens, _ = self.match(context, k)
+        return Proposal(tokens, None)
+
+
+_CORPORA: dict[tuple[str, str], SuffixCorpus] = {}  # (vocabulary, scope) -> this process's corpus
+
+
+def corpus_for(model, scope: str = "") -> SuffixCorpus:
+    """This process's corpus for `model`'s vocabulary and `scope` (every engine of the process shares it), read from
+    the cache dir on first use unless the setting suffix_cache is off."""
+    from localspec.store import suffixcache as SC
+
+    fp = SC.model_fingerprint(model)
+    corpus = _CORPORA.get((fp, scope))
+    if corpus is None:
+        persist, limit = SC.configured()
+        store = SC.SuffixFile(fp, scope, limit) if persist and limit > 0 else None
+        docs = [Doc(i, t, toks) for i, t, toks in store.load()] if store is not None else []
+        corpus = _CORPORA[(fp, scope)] = SuffixCorpus(limit, docs, store)
+    return corpus

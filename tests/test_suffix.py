@@ -1,0 +1,388 @@
+"""The suffix drafter and its cache: the index, the proposal's length by confidence, the file (round trip, several
+processes, damage, bound, mode, another vocabulary), the scopes, and decoding with it on the tiny models: the same
+answer as plain decoding with an empty, a warm and a foreign cache, and a repeated request drafted from the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import PROMPTS
+from localspec.drafters import suffix as S
+from localspec.store import suffixcache as SC
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(tmp_path, monkeypatch):
+    """Each test: its own cache dir and config, and no corpus left in the process from another test."""
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    for key in ("LOCALSPEC_SUFFIX_CACHE", "LOCALSPEC_SUFFIX_CACHE_TOKENS", "LOCALSPEC_CONFIG"):
+        monkeypatch.delenv(key, raising=False)
+    S._CORPORA.clear()
+    SC._noticed.clear()
+    yield
+    S._CORPORA.clear()
+
+
+@pytest.fixture(scope="module")
+def eng(target_path):
+    from localspec.core.engine import Engine
+
+    e = Engine.load(target_path, n_ctx=1024)
+    yield e
+    e.close()
+
+
+def cfg(method="suffix", k=8, n=120, exactness="lossless", **kw):
+    from localspec.core.engine import GenConfig
+
+    return GenConfig(method=method, k=k, max_tokens=n, exactness=exactness, **kw)
+
+
+def doc(i, tokens, t=None):
+    return S.Doc(f"d{i}", float(i if t is None else t), list(tokens))
+
+
+# ------------------------------------------------------------------ the index and the proposal
+def test_the_index_finds_every_earlier_occurrence_built_at_once_or_token_by_token():
+    for trial in range(60):
+        r = random.Random(trial)
+        toks = [S.SEP if r.random() < 0.05 else r.randrange(5) for _ in range(r.randrange(1, 300))]
+        cut = r.randrange(0, len(toks) + 1)
+        built = S.NgramIndex(toks[:cut])
+        built.extend(toks[cut:])
+        stepped = S.NgramIndex()
+        stepped.extend(toks)
+        for n in S.KEYS:
+            want: dict[tuple, list[int]] = {}
+            for e in range(n, len(toks)):
+                g = tuple(toks[e - n:e])
+                if S.SEP not in g and toks[e] != S.SEP:
+                    want.setdefault(g, []).append(e)
+            for g, es in want.items():
+                assert list(built.chain(n, S.gram_key(g), 10**9)) == es[::-1]
+                assert list(stepped.chain(n, S.gram_key(g), 10**9)) == es[::-1]
+
+
+def test_the_proposal_follows_the_majority_and_stops_where_earlier_answers_split():
+    p = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    docs = [doc(0, p + [1, 2, 3, 4, 5]), doc(1, p + [1, 2, 3, 4, 5]), doc(2, p + [1, 2, 9, 9, 9])]
+    corpus = S.SuffixCorpus(10_000, docs)
+    ctx = [7, 7] + p
+    d = S.SuffixDrafter(corpus)
+    d.begin(ctx)
+    assert d.match(ctx, 8) == ([1, 2, 3, 4, 5], 9)  # 2 of 3 earlier answers go on with 3: a share of 0.67
+    strict = S.SuffixDrafter(corpus, share_min=0.7)
+    strict.begin(ctx)
+    assert strict.match(ctx, 8)[0] == [1, 2]  # the split itself is not proposed at a 0.7 threshold
+    # three ways apart at the first token: no confident proposal at all
+    split = S.SuffixCorpus(10_000, [doc(i, p + [i + 1, 0]) for i in range(3)])
+    d3 = S.SuffixDrafter(split)
+    d3.begin(ctx)
+    assert d3.offer(ctx, 8) is None
+
+
+def test_the_longest_match_decides_and_the_offer_says_how_far_it_reaches():
+    a = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
+    corpus = S.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1]), doc(1, [99, 22, 23, 2, 2, 2]),
+                                     doc(2, [98, 22, 23, 2, 2, 2])])
+    d = S.SuffixDrafter(corpus)
+    ctx = list(a)
+    d.begin(ctx)
+    assert d.match(ctx, 3) == ([1, 1, 1], 14)  # one long match outweighs two short ones
+    off = d.offer(ctx, 3)
+    assert off.k == 3 and off.key == "suffix@12+"
+    short = [5, 22, 23]
+    d.begin(short)
+    assert d.match(short, 3) == ([2, 2, 2], 2) and d.offer(short, 3).key == "suffix@2-3"
+
+
+def test_a_request_drafts_from_itself_and_joins_the_corpus_when_the_next_begins():
+    corpus = S.SuffixCorpus(10_000)
+    d = S.SuffixDrafter(corpus)
+    ctx = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    d.begin(ctx)
+    assert d.match(ctx, 3)[0] == [4, 5, 6]  # within the request, as prompt lookup
+    ctx += [4, 5, 6, 7, 8]  # the generation grows its own list
+    other = S.SuffixDrafter(corpus)
+    other.begin([9, 9])
+    assert corpus.docs == []
+    d.begin([40, 41])  # a new request: the last one joins the corpus, answer and all
+    assert [x.tokens for x in corpus.docs] == [[1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6, 7, 8]]
+    ctx2 = [0, 6, 1]
+    other.begin(ctx2)
+    assert other.match(ctx2, 4)[0] == [2, 3, 4, 5]  # another drafter of the scope finds it
+    ctx3 = [0, 5, 6]  # "5 6" went on with 1 once and with 7 once: a tie goes to the newest
+    other.begin(ctx3)
+    assert other.match(ctx3, 2)[0] == [7, 8]
+
+
+def test_a_continued_chat_stays_one_document():
+    corpus = S.SuffixCorpus(10_000)
+    d = S.SuffixDrafter(corpus)
+    d.begin([1, 2, 3])
+    d.begin([1, 2, 3, 4, 5])
+    assert corpus.docs == []
+    d.finish()
+    assert [x.tokens for x in corpus.docs] == [[1, 2, 3, 4, 5]]
+
+
+def test_the_corpus_keeps_the_newest_requests_within_its_bound():
+    corpus = S.SuffixCorpus(100)
+    for i in range(6):
+        corpus.commit(doc(i, [1000 + i] * 2 + list(range(i * 30, i * 30 + 28))))
+    assert corpus.total <= 100
+    assert [x.id for x in corpus.docs][-1] == "d5" and "d0" not in [x.id for x in corpus.docs]
+    d = S.SuffixDrafter(corpus)
+    old = [1000, 1000, 0, 1]  # the evicted first request's start: no longer found
+    d.begin(old)
+    assert d.match(old, 3)[0] == []
+    new = [1005, 1005, 150, 151]
+    d.begin(new)
+    assert d.match(new, 3)[0] == [152, 153, 154]
+
+
+# ------------------------------------------------------------------ the file
+def test_the_file_round_trips_and_merges_by_document():
+    f = SC.SuffixFile("fp1", "", 10_000)
+    assert f.load() == []
+    assert f.save([doc(0, [1, 2, 3]), doc(1, [4, 5])])
+    assert f.save([doc(1, [4, 5, 6, 7]), doc(2, [8, 9])])  # a request saved again, longer: one document
+    assert f.load() == [("d0", 0.0, [1, 2, 3]), ("d1", 1.0, [4, 5, 6, 7]), ("d2", 2.0, [8, 9])]
+    assert stat.S_IMODE(os.stat(f.path).st_mode) == 0o600
+    assert f.path.parent == SC.folder()
+
+
+def test_the_file_keeps_the_newest_documents_within_its_bound():
+    f = SC.SuffixFile("fp1", "", 10)
+    f.save([doc(i, [i] * 4) for i in range(5)])
+    assert [d[0] for d in f.load()] == ["d3", "d4"]
+    f.save([doc(9, list(range(30)))])  # longer than the bound alone: its last tokens
+    assert f.load() == [("d9", 9.0, list(range(20, 30)))]
+
+
+def test_a_damaged_file_is_rebuilt_with_one_notice(capsys):
+    f = SC.SuffixFile("fp1", "", 10_000)
+    f.path.parent.mkdir(parents=True)
+    for bad in (b"{not json", b'{"format": 1, "vocab": "fp1", "docs": [{"id": 1}]}'):
+        SC._noticed.clear()
+        f.path.write_bytes(bad)
+        assert f.load() == []
+        assert f.load() == []
+        err = capsys.readouterr().err
+        assert err.count("note: the suffix cache") == 1 and "damaged" in err, err
+        assert f.save([doc(0, [1, 2, 3])])
+        assert f.load() == [("d0", 0.0, [1, 2, 3])]
+        assert capsys.readouterr().err == ""
+
+
+def test_a_cache_of_another_vocabulary_is_never_read():
+    SC.SuffixFile("fpA", "", 10_000).save([doc(0, [1, 2, 3])])
+    other = SC.SuffixFile("fpB", "", 10_000)
+    assert other.path != SC.path_for("fpA")
+    os.makedirs(other.path.parent, exist_ok=True)
+    other.path.write_bytes(SC.path_for("fpA").read_bytes())  # fpA's file under fpB's name
+    assert other.load() == []
+
+
+def test_two_processes_saving_at_once_keep_each_others_documents(tmp_path):
+    script = (
+        "import sys\n"
+        "from localspec.drafters.suffix import Doc\n"
+        "from localspec.store.suffixcache import SuffixFile\n"
+        "w = sys.argv[1]\n"
+        "f = SuffixFile('fp1', '', 100000)\n"
+        "for i in range(25):\n"
+        "    assert f.save([Doc(f'{w}{i}', float(i), [i, i + 1, i + 2])])\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", script, w], env=env, stderr=subprocess.PIPE) for w in "ab"]
+    for p in procs:
+        assert p.wait(timeout=300) == 0, p.stderr.read().decode()
+    ids = {d[0] for d in SC.SuffixFile("fp1", "", 100000).load()}
+    assert ids == {f"{w}{i}" for w in "ab" for i in range(25)}
+
+
+def test_the_settings_turn_persistence_off_and_bound_the_size(monkeypatch):
+    from localspec import settings as config
+
+    assert SC.configured() == (True, SC.DEFAULT_TOKENS)
+    monkeypatch.setenv("LOCALSPEC_SUFFIX_CACHE", "off")
+    monkeypatch.setenv("LOCALSPEC_SUFFIX_CACHE_TOKENS", "5000")
+    assert SC.configured() == (False, 5000)
+    v = config.values()
+    assert (v["suffix_cache"], v["suffix_cache_tokens"]) == (False, 5000)  # the schema reads them alike
+
+
+# ------------------------------------------------------------------ decoding with it
+def test_temperature_0_is_plain_decoding_with_an_empty_a_warm_and_a_foreign_cache(eng):
+    plain = {p: eng.complete(eng.raw_prompt(p), cfg("none")).tokens for p in PROMPTS}
+    for method in ("suffix", "auto"):
+        S._CORPORA.clear()
+        for p in PROMPTS:  # empty for the first prompt, then warm with the earlier answers
+            assert eng.complete(eng.raw_prompt(p), cfg(method, exactness="bit")).tokens == plain[p], (method, p)
+        for p in PROMPTS:  # warm with this very answer
+            assert eng.complete(eng.raw_prompt(p), cfg(method, exactness="bit")).tokens == plain[p], (method, p)
+    # foreign: the cache holds answers to these prompts the model never gives (another model's, say), which agree
+    # with its own for the first token
+    S._CORPORA.clear()
+    corpus = S.corpus_for(eng.target)
+    r = random.Random(3)
+    for i, p in enumerate(PROMPTS):
+        corpus.commit(doc(i, eng.raw_prompt(p) + plain[p][:1] + [r.randrange(eng.target.n_vocab) for _ in range(120)]))
+    for p in PROMPTS:
+        fin = eng.complete(eng.raw_prompt(p), cfg("suffix", exactness="bit"))
+        assert fin.tokens == plain[p]
+        assert fin.stats.drafted > 0  # it did draft (from the foreign text), and the target refused
+
+
+def test_the_same_request_twice_drafts_most_of_the_second_answer_from_the_cache(eng):
+    prompt = PROMPTS[1]
+    first = eng.complete(eng.raw_prompt(prompt), cfg())
+    second = eng.complete(eng.raw_prompt(prompt), cfg())
+    assert second.tokens == first.tokens
+    st = second.stats
+    assert st.accepted / st.completion_tokens >= 0.8, (st.accepted, st.completion_tokens)
+    assert st.method_used["suffix"] > 0
+    from localspec.core.report import figures
+
+    assert figures(st)["steps_by_method"]["suffix"] == st.method_used["suffix"]  # what --json shows
+
+
+def test_auto_picks_the_suffix_drafter_on_a_repeated_request(eng):
+    prompt = PROMPTS[2]
+    eng.complete(eng.raw_prompt(prompt), cfg("auto"))
+    again = eng.complete(eng.raw_prompt(prompt), cfg("auto"))
+    assert again.stats.method_used["suffix"] > again.stats.method_used["lookup"]
+    assert again.stats.accepted > again.stats.completion_tokens / 2
+
+
+def test_requests_of_another_scope_do_not_draft_from_this_ones_text(eng):
+    prompt = PROMPTS[3]
+    eng.suffix_scope = SC.scope_of("key-a")
+    try:
+        eng.complete(eng.raw_prompt(prompt), cfg())
+        eng.suffix_scope = SC.scope_of("key-b")
+        other = eng.complete(eng.raw_prompt(prompt), cfg())
+        eng.suffix_scope = SC.scope_of("key-a")
+        same = eng.complete(eng.raw_prompt(prompt), cfg())
+    finally:
+        eng.suffix_scope = ""
+    assert same.stats.accepted > 3 * max(other.stats.accepted, 1)
+    assert SC.scope_of(None) == "" and SC.scope_of("key-a") != SC.scope_of("key-b")
+    assert "key-a" not in SC.scope_of("key-a")
+
+
+def test_a_batch_drafts_from_a_request_another_slot_finished(eng):
+    from localspec.core.batch import BatchEngine
+
+    b = BatchEngine(eng, 2, prefill_chunk=16)
+    try:
+        p = eng.raw_prompt(PROMPTS[0])
+        first = b.generate_all([(p, cfg())])[0]
+        second = b.generate_all([(eng.raw_prompt(PROMPTS[1]), cfg(n=8)), (p, cfg())])[1]
+    finally:
+        b.close()
+    assert second.tokens == first.tokens
+    assert second.stats.accepted / second.stats.completion_tokens >= 0.8
+
+
+def test_the_cache_persists_across_sessions_and_a_setting_turns_that_off(target_path, tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = [sys.executable, "-m", "localspec", "run", "-m", str(target_path), "--method", "suffix", "-k", "8",
+           "--exactness", "lossless", "-n", "100", "--json", "--raw", PROMPTS[0]]
+
+    def once(**extra):
+        r = subprocess.run(run, env={**env, **extra}, capture_output=True, timeout=300)
+        assert r.returncode == 0, r.stderr.decode()
+        return json.loads(r.stdout)
+
+    off = {"LOCALSPEC_SUFFIX_CACHE": "false"}
+    once(**off)
+    assert not SC.folder().exists() or not list(SC.folder().glob("*.json"))  # nothing written
+    cold = once()
+    warm = once()
+    assert warm["accepted"] / warm["completion_tokens"] >= 0.8 > cold["accepted"] / cold["completion_tokens"]
+    assert warm["steps_by_method"]["suffix"] > 0
+    files = list(SC.folder().glob("*.json"))
+    assert len(files) == 1 and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    off_again = once(**off)  # persistence off: the file is not read either
+    assert off_again["accepted"] == cold["accepted"]
+
+    show = subprocess.run([sys.executable, "-m", "localspec", "cache", "show", "--json"], env=env,
+                          capture_output=True, timeout=120)
+    info = json.loads(show.stdout)
+    assert info["total"]["documents"] == 2 and info["total"]["tokens"] > 200 and info["total"]["bytes"] > 0
+    clear = subprocess.run([sys.executable, "-m", "localspec", "cache", "clear"], env=env, capture_output=True,
+                           timeout=120)
+    assert clear.returncode == 0 and b"1 file" in clear.stderr
+    assert not list(SC.folder().glob("*.json"))
+
+
+def test_a_damaged_cache_file_never_stops_a_run(target_path):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    run = [sys.executable, "-m", "localspec", "run", "-m", str(target_path), "-n", "20", "--raw", PROMPTS[0]]
+    assert subprocess.run(run, env=env, capture_output=True, timeout=300).returncode == 0
+    (path,) = SC.folder().glob("*.json")
+    path.write_bytes(b"\x00garbage")
+    r = subprocess.run(run, env=env, capture_output=True, timeout=300)
+    assert r.returncode == 0 and "Traceback" not in r.stderr.decode()
+    assert r.stderr.decode().count("note: the suffix cache") == 1
+    json.loads(path.read_bytes())  # rebuilt
+
+
+# ------------------------------------------------------------------ the controller, replayed
+TRACES_FILE = ROOT / "benchmarks" / "data" / "qwen_coder_traces.json"
+
+
+def auto_with_suffix(curve, corpus_docs=()):
+    """`auto` as `localspec run` builds it on a CPU: prompt lookup and the suffix drafter (over a corpus of
+    `corpus_docs`), bit cap k<=2 up to k=4."""
+    from localspec.core.policy import AdaptivePolicy
+    from localspec.drafters.prompt_lookup import PromptLookupDrafter
+
+    def make():
+        drafters = {"lookup": PromptLookupDrafter(),
+                    "suffix": S.SuffixDrafter(S.SuffixCorpus(100_000, corpus_docs), beside_lookup=True)}
+        return AdaptivePolicy(drafters, 4, {}, None, dict(curve), bit_cap=2)
+    return make
+
+
+@pytest.mark.parametrize("curve", ["avx2", "avx512", "epyc"])
+def test_auto_with_the_suffix_drafter_keeps_the_speed_rule_on_every_curve(curve):
+    """auto >= 0.97x plain per recorded answer, with an empty cache and with the other answers of the set cached
+    (earlier requests that are not this one), at every length the controller tests replay."""
+    from localspec.bench import replay as R
+
+    traces = R.load(TRACES_FILE)
+    c = R.CURVES[curve]
+    for n in (27, 64, 128):
+        for tr in traces:
+            others = [doc(i, t["prompt"] + t["output"]) for i, t in enumerate(traces) if t["id"] != tr["id"]]
+            plain = R.replay(tr, R.plain(), c, n)["rate"]
+            for docs in ((), others):
+                got = R.replay(tr, auto_with_suffix(c, docs), c, n)["rate"] / plain
+                assert got >= 0.97, (curve, n, tr["id"], len(docs), got)
+
+
+def test_a_repeated_answer_replays_far_faster_than_plain_and_no_slower_than_lookup_alone():
+    from localspec.bench import replay as R
+
+    traces = R.load(TRACES_FILE)
+    c = R.CURVES["avx2"]
+    for tr in traces:
+        cached = [doc(0, tr["prompt"] + tr["output"])]
+        plain = R.replay(tr, R.plain(), c)["rate"]
+        again = R.replay(tr, auto_with_suffix(c, cached), c)["rate"] / plain
+        lookup = R.replay(tr, R.auto(c, 4, 2), c)["rate"] / plain
+        assert again >= 1.3 and again >= lookup, (tr["id"], again, lookup)
