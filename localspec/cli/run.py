@@ -71,7 +71,6 @@ def run(
         raise UsageError("no prompt: pass PROMPT or pipe text on stdin (see localspec run --help)")
     text = "\n\n".join(parts)
     status = Status(quiet)
-    from localspec.core.engine import Finished
     from localspec.llama.aborts import on_abort
 
     sess.check()  # bad sampling/k/thread values fail before loading gigabytes
@@ -92,9 +91,8 @@ def run(
             msgs = ([{"role": "system", "content": s["system"]}] if s["system"] else []) + [{"role": "user", "content": text}]
             tokens = engine.chat_prompt(msgs)
         stream = not (no_stream or as_json)
-        fin = None
         out = sys.stdout
-        got: list[str] = []  # the answer so far: kept when interrupted
+        resp = engine.respond(tokens, gen_cfg)  # its text so far is kept when interrupted
         printed = []  # set once the answer is out (the abort hook then has nothing to do)
 
         def keep_the_answer() -> None:
@@ -102,9 +100,9 @@ def run(
             status.clear()  # the error line that follows must not land on the end of the live status line
             if printed or stream:
                 return
-            partial = "".join(got)
+            partial = resp.text
             if as_json:
-                d = result_json(None, engine.last_stats, engine, gen_cfg, interrupted=True, text=partial)
+                d = result_json(None, resp.stats, engine, gen_cfg, interrupted=True, text=partial)
                 out.write(json.dumps(d | {"finish_reason": "error"}) + "\n")
             else:
                 out.write(partial + ("" if partial.endswith("\n") else "\n"))
@@ -119,22 +117,18 @@ def run(
                 sys.stderr.write("interrupted while waiting for another localspec generation to finish\n")
                 sys.stderr.flush()
                 raise typer.Exit(state.interrupt_exit) from None
-            status.start(lambda: engine.last_stats)
+            status.start(lambda: resp.stats)
             try:
-                for ev in engine.generate(tokens, gen_cfg):
-                    if isinstance(ev, Finished):
-                        fin = ev
-                        break
-                    got.append(ev.text)
-                    if stream and ev.text:
-                        out.write(ev.text)
+                for piece in resp:
+                    if stream and piece.text:
+                        out.write(piece.text)
                         out.flush()
-                    status.update(engine.last_stats)
+                    status.update(resp.stats)
             except KeyboardInterrupt:
                 state.interrupt_reported = True
                 status.stop()
-                stats = engine.last_stats
-                partial = "".join(got)
+                stats = resp.stats
+                partial = resp.text
                 printed.append(True)
                 if stream:
                     out.write("\n")
@@ -148,6 +142,7 @@ def run(
                 raise typer.Exit(state.interrupt_exit)
             finally:
                 status.stop()
+        fin = resp.finished
         stats = fin.stats
         printed.append(True)
         if as_json:

@@ -57,6 +57,7 @@ from localspec.core import exactness as X
 from localspec.core.exactness import ProbeResult
 from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
 from localspec.core.policy import build_policy
+from localspec.core.response import Response
 from localspec.drafters import PromptLookupDrafter, Proposal
 from localspec.errors import LocalspecError, UsageError
 from localspec.knobs import knobs
@@ -614,16 +615,24 @@ class BatchEngine:
         return dropped
 
     # ------------------------------------------------------------ helpers
+    def submit(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None,
+               cancel: threading.Event | None = None) -> Response:
+        """add() with a Response handle as the request's sink: step() feeds it (listen() passes events on)."""
+        joined: list[_Run] = []
+        resp = Response(stats=lambda: joined[0].stats if joined else None)
+        joined.append(self.runs[self.add(prompt_tokens, cfg, cancel, sink=resp.push)])
+        return resp
+
     def generate_all(self, requests: Sequence[tuple[Sequence[int], GenConfig]]) -> list[Finished]:
         """Run requests together (all joining at once) until they end; their Finished, in order (tests)."""
-        results: list = [None] * len(requests)
+        responses: list[Response | None] = [None] * len(requests)
         pending = list(enumerate(requests))
         while pending or self.active:
             while pending and self.free:
                 i, (prompt, cfg) = pending.pop(0)
-                self.add(prompt, cfg, sink=_store(results, i))
+                responses[i] = self.submit(prompt, cfg)
             self.step()
-        return results
+        return [r.result() for r in responses]
 
     def close(self) -> None:
         self.ms.close()
@@ -657,10 +666,3 @@ def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, 
                 c = min(c, _pass_cost(curve, n * b))
         out[b] = 1.0 + (c - base) / (base / n)
     return out
-
-
-def _store(results: list, i: int):
-    def sink(ev):
-        if isinstance(ev, Finished):
-            results[i] = ev
-    return sink

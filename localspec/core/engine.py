@@ -18,6 +18,7 @@ from localspec import defaults as D
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.generation import Finished, Generation, Piece, check_bias, check_prompt, new_stats
 from localspec.core.policy import Policy, build_policy, env_allows_inexact
+from localspec.core.response import Response
 from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
@@ -486,12 +487,13 @@ class Engine:
         answer, exactly what was streamed (text held back as a possible stop string start is not included)."""
         return self._assembler.text if self._assembler is not None else ""
 
+    def respond(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None,
+                cancel: threading.Event | None = None) -> Response:
+        """The generation as a Response handle: iterate it for the Pieces (that runs the decode), then .finished."""
+        return Response(self.generate(prompt_tokens, cfg, cancel), stats=lambda: self.last_stats)
+
     def complete(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None) -> Finished:
-        result = None
-        for ev in self.generate(prompt_tokens, cfg):
-            if isinstance(ev, Finished):
-                result = ev
-        return result
+        return self.respond(prompt_tokens, cfg).result()
 
 
 def _guarded(fn, *args, **kw) -> LocalspecError | None:

@@ -277,7 +277,9 @@ class Worker:
                     return True
                 tokens = job.build(self.session.engine)
                 job.started = time.perf_counter()
-                batch.add(tokens, job.cfg, cancel=job.cancel, sink=self._sink(job))
+                on_event = self._events(job)
+                batch.submit(tokens, job.cfg, cancel=job.cancel).listen(
+                    lambda ev, job=job, on_event=on_event: self._batched_event(job, ev, on_event))
             except Exception as exc:
                 self._failed(job, exc)
                 self.recent_s.append(0.0)
@@ -286,15 +288,16 @@ class Worker:
                 self.running.append(job)
         return True
 
-    def _sink(self, job: Job):
+    def _events(self, job: Job) -> Callable:
+        """What happens with each event of a job's Response, batched or alone: posted to its client's stream, timed
+        for /metrics, counted once it ends (the request's own error: failed, the others in a batch go on)."""
         m = self.metrics
-        last = [None]
+        last = [None]  # when the previous token came (inter-token latency)
 
-        def sink(ev) -> None:
-            if isinstance(ev, Exception):  # the request's own error (the others in the batch go on)
+        def on_event(ev) -> None:
+            if isinstance(ev, Exception):
                 job.done = True
                 self._failed(job, ev)
-                self.recent_s.append(time.perf_counter() - job.started)
                 return
             job.post(ev)
             if isinstance(ev, Piece) and m is not None:
@@ -304,10 +307,14 @@ class Worker:
             elif isinstance(ev, Finished):
                 job.done = True
                 self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
-                self.recent_s.append(time.perf_counter() - job.started)
                 if m is not None:
                     m.request_done(ev)
-        return sink
+        return on_event
+
+    def _batched_event(self, job: Job, ev, on_event: Callable) -> None:
+        on_event(ev)
+        if job.done:
+            self.recent_s.append(time.perf_counter() - job.started)
 
     def _fail_batch(self, exc: Exception) -> None:
         self.batch.fail_all()
@@ -338,34 +345,14 @@ class Worker:
             return
         t0 = time.perf_counter()
         engine = self.session.engine
+        on_event = self._events(job)
         try:
             tokens = job.build(engine)
             with (contextlib.nullcontext() if slot_taken else S.generation_slot(waiting=self.log)):
-                last = None  # when the previous token came (inter-token latency)
-                m = self.metrics
-                for ev in engine.generate(tokens, job.cfg, cancel=job.cancel):
-                    job.post(ev)
-                    if isinstance(ev, Piece) and m is not None:
-                        now = time.perf_counter()
-                        m.token(None if last is None else now - last)
-                        last = now
-                    elif isinstance(ev, Finished):
-                        self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
-                        if m is not None:
-                            m.request_done(ev)
-        except UsageError as exc:
-            self._count("failed")
-            job.post(setting_error(exc))
-        except ContextOverflowError as exc:
-            self._count("failed")
-            job.post(setting_error(exc, code="context_length_exceeded"))
-        except LocalspecError as exc:
-            self._count("failed")
-            job.post(setting_error(exc, 500))
-        except Exception as exc:  # a bug must not kill the worker: log it here, answer one line
-            self._count("failed")
-            self.log("localspec serve: generation failed:\n" + traceback.format_exc().rstrip())
-            job.post(APIError(500, f"internal error: {type(exc).__name__}"))
+                for ev in engine.respond(tokens, job.cfg, cancel=job.cancel).events():
+                    on_event(ev)
+        except Exception as exc:  # the request's error, or a bug (which must not kill the worker)
+            on_event(exc)
         finally:
             self.recent_s.append(time.perf_counter() - t0)
 
