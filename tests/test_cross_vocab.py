@@ -177,3 +177,32 @@ def test_to_target_stops_where_the_target_cannot_represent_the_bytes(near_engine
         assert to_target(tv, b" the", b" x") == []
     finally:
         del tv.model.piece
+
+
+def test_bytes_a_bpe_target_cannot_take_end_proposals_not_the_answer(smollm_path, other_vocab_path, monkeypatch):
+    """SmolLM2 (a byte-level BPE vocabulary) as the target, the tiny random SentencePiece model as its draft: the
+    draft writes lone byte tokens, invalid UTF-8 that the target's tokenizer cannot reproduce; those proposals end
+    there, and the answer is plain decoding's, to its full length."""
+    e = Engine.load(smollm_path, other_vocab_path, n_ctx=512, threads=2)
+    try:
+        assert e.draft_kind == "cross-vocab"
+        prompt = e.chat_prompt([{"role": "user", "content": "Name three colours."}])
+        from localspec.drafters import cross_vocab
+
+        cut = []
+        real = cross_vocab.to_target
+
+        def to_target(tv, anchor, new):
+            out = real(tv, anchor, new)
+            if out is not None and len(b"".join(tv.model.piece(t) for t in out)) < len(new):
+                cut.append(new)  # bytes the target's tokens could not reproduce
+            return out
+
+        monkeypatch.setattr(cross_vocab, "to_target", to_target)
+        plain = e.complete(prompt, GenConfig(method="none", max_tokens=48))
+        r = e.complete(prompt, GenConfig(method="draft", k=4, max_tokens=48, p_min=0.0))
+        assert r.tokens == plain.tokens and r.text == plain.text
+        assert cut and r.stats.drafted > 0 and r.finish_reason == plain.finish_reason
+        assert r.stats.method_used["draft"] + r.stats.method_used["none"] == r.stats.target_passes
+    finally:
+        e.close()
