@@ -298,7 +298,7 @@ def test_a_slots_drafted_rows_are_priced_by_what_they_cost_the_whole_batch(engin
     on a compute-bound CPU a 2-row verify in a 4-slot step costs 2.5 plain-step shares, not the 1.6 of the target
     alone; in one unified cache they join the pass; on a GPU they cost next to nothing. The slots' controllers get
     those prices each step (alone: the calibrated curve itself)."""
-    from localspec.core.batch import batch_ratios
+    from localspec.core.batch_cost import batch_ratios
 
     cpu = {1: 1.0, 2: 1.60, 3: 2.19, 4: 2.67, 5: 3.27, 6: 3.81, 7: 4.46, 8: 6.64, 9: 7.07}
     gpu = {n: 1.0 + 0.02 * (n - 1) for n in range(1, 10)}

@@ -1,48 +1,22 @@
 """Continuous batching: several generations decoded together over one target, with speculation per request.
 
-A `BatchEngine` keeps N slots, one llama.cpp sequence each (llama/multiseq.py: a second context on the target's
-weights, one KV stream per slot). A step gathers every active slot's rows into ONE llama_decode: a generating slot
-contributes its pending token and its drafted tokens ([pending, d1..dk], logits at every row), a joining slot a
-chunk of its prompt (at most `prefill_chunk` tokens a step, so a long prompt does not stall the others). Then per
-slot: verify (greedy or speculative sampling with the request's own rng), roll the rejected rows back
-(llama_memory_seq_rm on that sequence only), stats, stop strings, max_tokens, cancel. Requests join and leave
-between steps; a finished slot's cache stays, so the next request with the same prefix (a continued chat) reuses it,
-and a request that shares a prefix with another slot's cache (the chat template's system prompt) copies it from there
-(MultiSeq.take_prefix) and decodes only the rest.
-
+N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every active slot's rows into ONE
+llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
+tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
+single-sequence Engine, so grammars, logprobs and logit_bias batch like any request; draft heads (they read the
+target's own context) and recurrent draft models take the single-sequence Engine (`single_reason`).
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
 
-Speculation in a batch: prompt lookup (one drafter per slot, with its own index) and the draft model (one sequence
-per slot; every drafting slot's draft decodes share one batch: core/batch_draft.py); `method auto` chooses between
-them per slot. Each request is a core/generation.py Generation, as on the single-sequence Engine, so structured
-output (a grammar), logprobs and logit_bias batch like any request. Draft heads (EAGLE-3, MTP, DFlash) read the
-hidden states of the target's own single-sequence context, and a recurrent draft model cannot roll back one
-sequence of several: those take the single-sequence Engine (`single_reason` says why). The adaptive controller of each slot is timed by its share of the step's decode
-time (the step's time times its rows over all rows) and prices a verify of b rows by what it costs the whole step
-(`_price_rows`: the passes llama.cpp makes of this slot at b rows beside the others, on the target's calibrated
-curve), so when the machine is compute-bound and other requests' rows fill the batch a drafted row costs what it
-really costs, and k per request follows from the cost of the whole batch.
-
-Exactness: llama.cpp's logits for a row may depend on what else is in its forward pass and on where its KV cells
-lie. By default each slot has its own KV stream (kv_unified off, as `llama-server -np N`): its cells stay in
-position order as in the single-sequence context, and llama.cpp runs a batch as passes of CONSECUTIVE sequences
-with EQUAL rows each (llama/multiseq.py split_equal). On CPUs where ggml repacks quantized weights (Q4_K/Q4_0 ->
-8x8 layouts on AVX2/AVX-512) a pass's rows go through a GEMM in groups of 4 and a GEMV for the rest, which round
-differently: a row's logits then depend on the TOTAL rows of its pass (measured on Qwen2.5-Coder Q4_K_M: 3 requests
-x 1 row identical, 4 x 1 and 2 x 2 not). `probe()` decodes the shapes a batch makes (every n <= N requests x
-every r <= the bit k cap + 1 rows, a prompt beside others' rows, others' rollbacks) and compares every row bit for
-bit with one-token decoding. Where all match, `bit` requests keep their single-decoding output (k capped as Engine
-caps it). Where some shapes do not, exactness is per request: a `bit` request stays bit while it shares only
-passes of shapes that matched (alone, or e.g. 3 x 1), and from the first pass that did not it runs at `lossless`
-and its stats say from which token and why.
-One pass per step: generating slots are padded with filler rows to the step's most rows (where the shape keeps
-each request's exactness) and a new request takes the slot that keeps the active slots consecutive, unless another
-slot's cache saves it REUSE_MIN prompt tokens (benchmarks/serve_concurrency_shapes.py times the layouts).
-LOCALSPEC_KV_UNIFIED=1: one KV cache for all slots (one pass a step); after rollbacks a slot's cells are out of
-position order and attention sums them in cell order (measured: outputs differ in float noise), so batched
-requests always run at `lossless` there.
+Rules, and why (docs/design.md, "Batching", has the measurements behind them):
+- a slot's controller is timed by its share of the step and prices a verify of b rows by what it adds to the
+  whole step (`_price_rows`), so k per request follows from the cost of the batch;
+- a row's logits can depend on the other rows of its forward pass, so the probe (core/exactness.probe_batch)
+  checks every pass shape a bit request can be in; a bit request stays bit while it shares only passes that
+  matched, and from the first that did not it runs at lossless, its stats saying from which token and why;
+- one pass per step where that pays: slots padded to the step's most rows (`_pad`), new requests placed to keep
+  active slots consecutive (llama.cpp passes take consecutive sequences), a slot whose cache shares REUSE_MIN
+  prompt tokens taken first.
 """
-
 from __future__ import annotations
 
 import threading
@@ -54,6 +28,7 @@ from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.engine import Engine, Finished, GenConfig
 from localspec.core import exactness as X
+from localspec.core.batch_cost import batch_ratios, pass_cost
 from localspec.core.exactness import ProbeResult
 from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
 from localspec.core.policy import build_policy
@@ -180,22 +155,11 @@ class BatchEngine:
 
     def _cached_probe(self) -> ProbeResult:
         key = self._probe_key()
-        entry = X.cached_batch_probe(key)
-        if entry is not None:
-            try:
-                return ProbeResult(entry["exact"], str(entry.get("why", "")),
-                                   {(int(s), int(r)): bool(ok) for s, r, ok in entry.get("shapes", [])},
-                                   {int(s): bool(ok) for s, ok in entry.get("beside_prompt", [])},
-                                   bool(entry.get("blanket", True)))
-            except (TypeError, ValueError):  # an entry edited by hand: probed again and replaced
-                pass
-        res = self._probe()
-        res = res if isinstance(res, ProbeResult) else ProbeResult(*res)
-        X.store_batch_probe(key, {
-            "exact": res.exact, "why": res.why, "blanket": res.blanket,
-            "shapes": [[s, r, ok] for (s, r), ok in sorted(res.shapes.items())],
-            "beside_prompt": [[s, ok] for s, ok in sorted(res.beside_prompt.items())],
-            "model": str(self.target.path.resolve()), "slots": self.n_slots})
+        res = X.read_batch_probe(key)
+        if res is None:
+            res = self._probe()
+            res = res if isinstance(res, ProbeResult) else ProbeResult(*res)
+            X.write_batch_probe(key, res, self.target, self.n_slots)
         return res
 
     def calibrate(self) -> None:
@@ -208,9 +172,7 @@ class BatchEngine:
         x 1 row) is not bit-identical here anyway, so a request sharing its steps with the others runs at lossless
         whichever the layout, and where requests draft (`speculative`). Then every step is ONE forward pass: over
         separate streams llama.cpp runs a slot's drafted rows as a pass of their own (multiseq.split_equal), which
-        on a 2-core CPU made `auto` slower than plain decoding at 4 clients (14.5 vs 15.1 and 14.7 vs 15.9 tok/s)
-        where one unified cache made it faster (16.2 and 17.5, same runs; benchmarks/serve_concurrency.sh). The
-        price: a request alone keeps bit exactness only over separate streams (in one cache, other requests'
+        on a compute-bound CPU made `auto` slower than plain decoding at 4 clients (docs/design.md). The price: a request alone keeps bit exactness only over separate streams (in one cache, other requests'
         rollbacks leave its cells out of position order), so where a full batch is bit-identical (an F16 model on
         a CPU) or nothing drafts, the streams stay separate. Returns the probe result that now holds."""
         n = self.n_slots
@@ -404,9 +366,8 @@ class BatchEngine:
     def _prefill_limit(self) -> int:
         """Prompt tokens a joining request decodes in a step where other requests are generating: prefill_chunk,
         or fewer where this machine prefills so slowly that the chunk would hold the others' next token back for
-        more than PREFILL_STEP_S (Qwen2.5-Coder-1.5B on 2 CPU cores prefills ~30 tokens/s: a 256-token chunk
-        stalled a running answer 8.5 s a step). From the prefill rate measured on earlier chunks; alone, a prompt
-        takes the whole chunk."""
+        more than PREFILL_STEP_S (a slow CPU's whole chunk stalls running answers for seconds). From the prefill
+        rate measured on earlier chunks; alone, a prompt takes the whole chunk."""
         if not self._prefill_rate:
             return self.prefill_chunk
         return max(PREFILL_MIN, min(self.prefill_chunk, int(self._prefill_rate * PREFILL_STEP_S)))
@@ -496,8 +457,8 @@ class BatchEngine:
         b rows and the other n - 1 at one, in passes as llama.cpp runs them (multiseq.split_equal) on the target's
         calibrated curve: over separate KV streams the b - 1 drafted rows run as a pass of their own (or the step
         is padded, where that is cheaper), in one unified cache they join the pass. Alone (n = 1) that is the
-        single-sequence curve itself. On a 2-core CPU with 4 slots a 2-row verify then costs 2.5 shares (1.6 alone):
-        other requests' rows fill the machine; on a GPU about one."""
+        single-sequence curve itself. On a compute-bound CPU other requests' rows fill the machine and a drafted
+        row costs more than alone; on a GPU about nothing."""
         curve = self._calibrated()
         if not curve:
             return
@@ -517,13 +478,12 @@ class BatchEngine:
         """Whether one padded pass (every slot at r rows) costs less than the passes llama.cpp splits the step into,
         on the target's calibrated verify curve (a pass of b rows costs T(b)/T(1) steps, extended along its last
         slope). On a compute-bound CPU every row costs about half a step, and the filler rows cost more than the
-        passes they save (Qwen2.5-Coder-1.5B, 2 cores: rows [1,3,1,2] 451 ms in 3 passes, padded to [3,3,3,3]
-        657 ms in one); on a GPU rows are nearly free and a pass is what costs. Without a calibration: only with
+        passes they save; on a GPU rows are nearly free and a pass is what costs. Without a calibration: only with
         GPU layers."""
         if not self._calibrated():
             return getattr(self.target, "n_gpu_layers", 0) > 0
-        split = sum(_pass_cost(self._curve, len(ub) * ub[0][2]) for ub in self.ms.passes(rows))
-        return _pass_cost(self._curve, r * len(rows)) < split
+        split = sum(pass_cost(self._curve, len(ub) * ub[0][2]) for ub in self.ms.passes(rows))
+        return pass_cost(self._curve, r * len(rows)) < split
 
     def _more_drafts(self, run: _Run, toks: list[int], r: int) -> list[int]:
         """A padded greedy prompt-lookup slot drafts into its padding where the lookup has more (rows the step
@@ -638,31 +598,3 @@ class BatchEngine:
         self.ms.close()
         if self.drafts is not None:
             self.drafts.close()
-
-
-def _pass_cost(curve: dict[int, float], b: int) -> float:
-    """T(b)/T(1) on a calibrated curve, extended beyond its largest b along its last slope."""
-    if b in curve:
-        return curve[b]
-    top = max(curve)
-    slope = (curve[top] - curve[top - 1]) if top - 1 in curve else 1.0
-    return curve[top] + max(slope, 0.0) * (b - top)
-
-
-def batch_ratios(curve: dict[int, float], n: int, unified: bool, may_pad: bool, upto: int) -> dict[int, float]:
-    """b -> what a slot's verify of b rows costs in its plain-step shares, when it shares each step with n - 1
-    one-row slots (see BatchEngine._price_rows): 1 + (C(b) - C(1)) / (C(1) / n)."""
-    n = max(1, int(n))
-    if n == 1:
-        return {b: _pass_cost(curve, b) for b in range(1, upto + 1)}
-    base = _pass_cost(curve, n)
-    out = {}
-    for b in range(1, upto + 1):
-        if unified:
-            c = _pass_cost(curve, n + b - 1)
-        else:
-            c = base + (_pass_cost(curve, b - 1) if b > 1 else 0.0)
-            if may_pad and b > 1:
-                c = min(c, _pass_cost(curve, n * b))
-        out[b] = 1.0 + (c - base) / (base / n)
-    return out

@@ -436,3 +436,25 @@ def probe_lengths(ms, toks: list[int], steps: int = 12) -> bool:
         return True
     finally:
         ms.clear()
+
+
+def read_batch_probe(key: str) -> ProbeResult | None:
+    """The cached verdict of probe_batch under `key` (None: not cached, or an entry edited by hand)."""
+    entry = cached_batch_probe(key)
+    if entry is None:
+        return None
+    try:
+        return ProbeResult(entry["exact"], str(entry.get("why", "")),
+                           {(int(s), int(r)): bool(ok) for s, r, ok in entry.get("shapes", [])},
+                           {int(s): bool(ok) for s, ok in entry.get("beside_prompt", [])},
+                           bool(entry.get("blanket", True)))
+    except (TypeError, ValueError):  # probed again and replaced
+        return None
+
+
+def write_batch_probe(key: str, res: ProbeResult, model, slots: int) -> None:
+    store_batch_probe(key, {
+        "exact": res.exact, "why": res.why, "blanket": res.blanket,
+        "shapes": [[s, r, ok] for (s, r), ok in sorted(res.shapes.items())],
+        "beside_prompt": [[s, ok] for s, ok in sorted(res.beside_prompt.items())],
+        "model": str(model.path.resolve()), "slots": slots})
