@@ -246,6 +246,42 @@ def test_temperature_0_is_plain_decoding_with_an_empty_a_warm_and_a_foreign_cach
         assert fin.stats.drafted > 0  # it did draft (from the foreign text), and the target refused
 
 
+def test_sampled_decoding_with_the_suffix_drafter_keeps_the_target_distribution(eng):
+    """Temperature 1: the token at a drafted position has the same distribution with cached continuations as with
+    plain sampling (chi-square on 1000 runs each). The cache holds, after the prompt and every first token, one
+    fixed second token: accepted where the target likes it, else rejected and drawn from the residual."""
+    import numpy as np
+
+    from localspec.sample.sampling import SamplingParams
+
+    prompt = eng.raw_prompt("def f(x): return x")  # a spread-out next-token distribution
+
+    def hist(method, seed0, n):
+        c, drafted, accepted = {}, 0, 0
+        for i in range(n):
+            # max_tokens=3: the 2nd and 3rd tokens come from one speculative step with k = 1
+            r = eng.complete(prompt, cfg(method, k=3, n=3, exactness="auto",
+                                         sampling=SamplingParams(temperature=1.0, seed=seed0 + i)))
+            c[r.tokens[1]] = c.get(r.tokens[1], 0) + 1
+            drafted += r.stats.drafted
+            accepted += r.stats.accepted
+        return c, drafted, accepted
+
+    n = 1000
+    a, _, _ = hist("none", 0, n)
+    y = max(a, key=a.get)
+    corpus = S.corpus_for(eng.target)
+    for t in range(eng.target.n_vocab):
+        corpus.commit(doc(t, prompt + [t, y]))
+    b, drafted, accepted = hist("suffix", 10**6, n)
+    assert drafted > n * 0.9 and 0 < accepted < drafted
+    keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
+    chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
+    dof = len(keys) - 1
+    assert dof >= 3
+    assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+
+
 def test_the_same_request_twice_drafts_most_of_the_second_answer_from_the_cache(eng):
     prompt = PROMPTS[1]
     first = eng.complete(eng.raw_prompt(prompt), cfg())
@@ -281,6 +317,24 @@ def test_requests_of_another_scope_do_not_draft_from_this_ones_text(eng):
     assert same.stats.accepted > 3 * max(other.stats.accepted, 1)
     assert SC.scope_of(None) == "" and SC.scope_of("key-a") != SC.scope_of("key-b")
     assert "key-a" not in SC.scope_of("key-a")
+
+
+def test_a_server_with_an_api_key_drafts_from_its_own_scope(target_path):
+    pytest.importorskip("fastapi")
+    from localspec.server.app import create_app
+    from localspec.session import Session
+
+    sess = Session({"model": str(target_path), "ctx_size": 512}, quiet=True)
+    try:
+        sess.load()
+        app = create_app(sess, api_key="secret-1", log=lambda m: None)
+        assert sess.engine.suffix_scope == SC.scope_of("secret-1") != ""
+        app.state.worker.stop(timeout=30)
+        app = create_app(sess, log=lambda m: None)
+        assert sess.engine.suffix_scope == ""  # no key: the user's own cache, as run and chat
+        app.state.worker.stop(timeout=30)
+    finally:
+        sess.close()
 
 
 def test_a_batch_drafts_from_a_request_another_slot_finished(eng):
