@@ -206,3 +206,33 @@ def test_bytes_a_bpe_target_cannot_take_end_proposals_not_the_answer(smollm_path
         assert r.stats.method_used["draft"] + r.stats.method_used["none"] == r.stats.target_passes
     finally:
         e.close()
+
+
+def test_bpe_draft_context_is_its_tokenization_of_the_text_at_every_step(smollm_path, target_path):
+    """SmolLM2 (byte-level BPE) drafting for the tiny target: as the target's context grows token by token (and is
+    cut back, as a new prompt would), the draft's context, kept by tokenizing only the text after a safe boundary, is
+    at every step exactly SmolLM2's tokenization of the whole text."""
+    from localspec.drafters.cross_vocab import CrossVocabDrafter
+    from localspec.llama.model import Model
+
+    text = ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n"
+            "    for _ in range(n):\n        a, b = b, a + b\n    return a\n\n"
+            "The loop runs n times; naïve recursion would take exponential time — ça va? 日本語 too.\n") * 3
+    with Model(target_path, n_ctx=2048) as tgt, Model(smollm_path, n_ctx=2048, n_threads=2) as smol:
+        d = CrossVocabDrafter(smol, tgt, p_min=0.0)
+        ctx = tgt.tokenize(text)
+        bos = [smol.vocab_info().bos] if smol.vocab_info().add_bos else []
+        real, sizes = d.dv.tokenize, []
+
+        def tokenize(data, parse_special):
+            sizes.append(len(data))
+            return real(data, parse_special)
+
+        for n in [*range(2, len(ctx), 3), len(ctx), len(ctx) // 2, len(ctx)]:
+            d.dv.tokenize = tokenize
+            got = d.draft_context(ctx[:n])
+            d.dv.tokenize = real
+            whole = b"".join(tgt.piece(t) for t in ctx[1:n])
+            assert got == bos + real(whole, parse_special=True), n
+        # a step tokenizes about the new text, not the whole of it (about 1 KB at the end)
+        assert len(sizes) > 100 and sorted(sizes)[len(sizes) // 2] < 100, sizes

@@ -3,10 +3,11 @@ the target's tokens, and the target verifies those as any draft.
 
 The draft's context is the draft's tokenization of the target's text: the target's prompt and answer rendered as
 bytes (special tokens as their text, so chat markup the draft shares becomes its own control tokens; the target's BOS
-left out for the draft's own). The whole text is tokenized again every step and the draft model's cache keeps the
-common prefix (Model.sync), so where the target finished a word differently than the draft had split it, the draft's
-tokens are re-tokenized from that boundary on and nothing drifts over a long answer. Tokenizing the text is far
-cheaper than one draft decode (llama.cpp tokenizes thousands of tokens in a millisecond or two).
+left out for the draft's own). Each step the text after a safe boundary a little before its first change is
+tokenized again (_retokenize) and the draft model's cache keeps the common prefix (Model.sync), so where the target
+finished a word differently than the draft had split it, the draft's tokens are redone from that boundary on and
+nothing drifts over a long answer, while a step tokenizes only about the new text (the whole of a few thousand tokens
+takes llama.cpp several milliseconds, as much as a draft decode).
 
 A proposal: the draft decodes its own tokens greedily (its argmax is its best guess of the target's likeliest token,
 which is what a deterministic proposal is accepted by); their bytes are appended to the text, and the target's tokens
@@ -23,6 +24,7 @@ above it Leviathan's rule with a one-hot q keeps the target's distribution (a se
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import time
 from typing import Sequence
@@ -35,6 +37,8 @@ from localspec.llama import lib
 from localspec.sample.sampling import SamplingParams
 from localspec.seq import common_prefix
 
+RETOKENIZE_MARGIN = 16  # bytes before the text's first change whose draft tokens are kept as they were
+CHECK_TOKENS = 4  # kept draft tokens tokenized again with the new text: they must come out the same
 ANCHOR_TOKENS = 3  # context tokens whose text precedes the drafted bytes when they are tokenized for the target
 DRAFT_STEPS_PER_TOKEN = 2  # draft tokens decoded per target token asked for, at most (plus 2): tokenizers differ
 
@@ -123,8 +127,10 @@ class CrossVocabDrafter(Drafter):
         self._t: list[int] = []  # target tokens whose text is in _text
         self._ends: list[int] = []  # _text's length after each of them
         self._text = bytearray()
-        self._dctx: list[int] = []  # the draft's tokenization of _text (its BOS first where it wants one)
-        self._dlen = -1  # len(_text) when _dctx was made (-1: not yet)
+        self._d: list[int] = []  # the draft's tokenization of _text
+        self._dends: list[int] = []  # _text's length after each of them (while aligned)
+        self._aligned = False  # the draft tokens' text is exactly _text: a tail can be tokenized again alone
+        self._fresh = False  # _d is up to date with _text
         self.synced: list[int] = []  # the target context the draft model's cache last followed
 
     def cost(self) -> float | None:
@@ -139,6 +145,7 @@ class CrossVocabDrafter(Drafter):
         """The draft's tokens for the target's `context`: its tokenization of the context's text."""
         n = common_prefix(self._t, context)
         changed = n < len(self._t) or n < len(context)
+        unchanged_bytes = self._ends[n - 1] if n else 0  # the text before this byte stays as it was
         if n < len(self._t):
             del self._t[n:], self._ends[n:]
             del self._text[self._ends[-1] if self._ends else 0:]
@@ -149,11 +156,42 @@ class CrossVocabDrafter(Drafter):
                 self._text += tv.special_piece(t)
             self._t.append(t)
             self._ends.append(len(self._text))
-        if changed or self._dlen < 0:
-            toks = self.dv.tokenize(bytes(self._text), parse_special=True)
-            self._dctx = ([self.dv.bos] if self.dv.bos is not None else []) + toks
-            self._dlen = len(self._text)
-        return self._dctx
+        if changed or not self._fresh:
+            self._retokenize(unchanged_bytes if self._fresh else 0)
+            self._fresh = True
+        return ([self.dv.bos] if self.dv.bos is not None else []) + self._d
+
+    def _retokenize(self, unchanged: int) -> None:
+        """Make _d the draft's tokenization of _text, whose first `unchanged` bytes are as when _d was made.
+
+        A safe boundary: the draft tokens ending RETOKENIZE_MARGIN bytes or more before the change are kept, the
+        text after the CHECK_TOKENS tokens before that boundary is tokenized again, and the result is taken only
+        where it reproduces those tokens (no merge reaches across the boundary); the tokens after them replace the
+        tail. Otherwise (a tokenizer that puts a space in front of every text, bytes it cannot render back) the whole
+        text is tokenized again. Either way _d is the tokenization of the whole text, a step costs what the new text
+        costs, and nothing drifts."""
+        dv, text = self.dv, bytes(self._text)
+        if self._aligned and self._d:
+            j = bisect.bisect_right(self._dends, unchanged - RETOKENIZE_MARGIN)
+            i = max(j - CHECK_TOKENS, 0)
+            start = self._dends[i - 1] if i else 0
+            redo = dv.tokenize(text[start:], parse_special=True)
+            if redo[:j - i] == self._d[i:j]:
+                tail = redo[j - i:]
+                ends, pos = self._dends[:j], self._dends[j - 1] if j else 0
+                for t in tail:
+                    pos += len(dv.special_piece(t))
+                    ends.append(pos)
+                if pos == len(text):
+                    self._d[j:] = tail
+                    self._dends = ends
+                    return
+        self._d = dv.tokenize(text, parse_special=True)
+        pos, self._dends = 0, []
+        for t in self._d:
+            pos += len(dv.special_piece(t))
+            self._dends.append(pos)
+        self._aligned = pos == len(text)
 
     def _anchor(self, context: Sequence[int]) -> bytes:
         """The text of the context's last few tokens, after its last control token."""
