@@ -236,3 +236,17 @@ def test_bpe_draft_context_is_its_tokenization_of_the_text_at_every_step(smollm_
             assert got == bos + real(whole, parse_special=True), n
         # a step tokenizes about the new text, not the whole of it (about 1 KB at the end)
         assert len(sizes) > 100 and sorted(sizes)[len(sizes) // 2] < 100, sizes
+
+
+def test_batch_runs_cross_vocab_drafts_on_the_single_path(near_engine):
+    """A batch drafts for its slots with the draft model's tokens as the target's: a draft with another vocabulary
+    cannot, so draft-model requests take the single-sequence path and batched auto requests use prompt lookup."""
+    from localspec.core.batch import BatchEngine
+
+    b = BatchEngine(near_engine, 2, prefill_chunk=16)
+    try:
+        assert "another vocabulary" in b.single_reason(GenConfig(method="draft"))
+        assert b.single_reason(GenConfig(method="auto")) == ""
+        assert b.drafts is None
+    finally:
+        b.close()
