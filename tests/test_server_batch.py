@@ -138,12 +138,42 @@ def test_a_client_leaving_mid_batch_leaves_the_others_unchanged(batched):
     assert h["generations"]["completed"] == before["completed"] + 3
 
 
-def test_a_grammar_request_takes_the_single_path_beside_the_batch(batched):
-    bodies = [chat(p) for p in PROMPTS[:2]] + [chat("give json", response_format={"type": "json_object"})]
-    got = at_once(batched, bodies)
-    assert text(got[2]).startswith("{")  # the grammar held (cut at max_tokens)
-    assert text(got[2]) == text(post(batched, bodies[2]))
-    assert text(got[0]) == text(post(batched, bodies[0]))
+def test_schema_tools_logprobs_and_plain_requests_are_decoded_together(batched):
+    """What agents send: a json_schema, a forced tool call, logprobs and a plain request join one batch (one decode
+    holds all four) and each answers what it answers alone."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]
+    bodies = [chat(PROMPTS[0], response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}),
+              chat(PROMPTS[1], tools=tools, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                   max_tokens=200),
+              chat(PROMPTS[2], logprobs=True, top_logprobs=2),
+              chat(PROMPTS[3])]
+    alone = [post(batched, b) for b in bodies]
+    ms = batched.app.state.worker.batch.ms
+    decode, seen = ms.decode, []
+
+    def recording(parts, **kw):
+        seen.append({p[0] for p in parts})
+        return decode(parts, **kw)
+
+    ms.decode = recording
+    try:
+        got = at_once(batched, bodies)
+    finally:
+        ms.decode = decode
+    assert any(len(s) == 4 for s in seen)
+    def message(r):  # a tool call's id is new each time
+        m = dict(r["choices"][0]["message"])
+        m["tool_calls"] = [{k: v for k, v in c.items() if k != "id"} for c in m.get("tool_calls") or ()]
+        return m
+
+    for a, b in zip(alone, got):
+        assert message(b) == message(a)
+    assert json.loads(text(got[0]))["name"] is not None
+    assert got[1]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert [t["token"] for t in got[2]["choices"][0]["logprobs"]["content"]] == \
+        [t["token"] for t in alone[2]["choices"][0]["logprobs"]["content"]]
     assert batched.health()["generations"]["failed"] == 0
 
 
