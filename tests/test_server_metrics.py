@@ -85,7 +85,11 @@ def test_a_prompt_longer_than_the_context_is_a_client_error_not_a_failure(open_a
     assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
     assert "8192" in err["error"]["message"] and "context size" in err["error"]["message"]
     after, health2 = scrape(open_api), open_api.health()["generations"]
-    d = lambda o: v(after, "localspec:requests_total", outcome=o) - v(before, "localspec:requests_total", outcome=o)  # noqa: E731
+
+    def d(outcome):
+        return v(after, "localspec:requests_total", outcome=outcome) - \
+            v(before, "localspec:requests_total", outcome=outcome)
+
     assert d("failed") == 0 and d("client_error") == 1
     assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
 

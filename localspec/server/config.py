@@ -45,8 +45,8 @@ class ServerConfig:
 
     allowed_hosts: Host header names accepted besides the bound host and loopback names ("*": any); None reads
     LOCALSPEC_ALLOWED_HOSTS. cors_origins: browser origins allowed to call the API ("*": any; "localhost": pages on
-    this machine, any port; default none: a request with an Origin header is refused). max_k: the largest per-request `localspec.k` (None: the session's
-    draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve.
+    this machine, any port; default none: a request with an Origin header is refused). max_k: the largest
+    per-request `localspec.k` (None: the session's draft_tokens, at least 1). strict_model: refuse a request naming a model this server does not serve.
     no_metrics: no GET /metrics (Prometheus)."""
 
     host: str = DEFAULT_HOST
