@@ -412,6 +412,7 @@ class SuffixDrafter(Drafter):
 
 
 _CORPORA: dict[tuple[str, str], SuffixCorpus] = {}  # (vocabulary, scope) -> this process's corpus
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loaded model -> its vocabulary's
 
 
 def corpus_for(model, scope: str = "") -> SuffixCorpus:
@@ -419,7 +420,9 @@ def corpus_for(model, scope: str = "") -> SuffixCorpus:
     the cache dir on first use unless the setting suffix_cache is off."""
     from localspec.store import suffixcache as SC
 
-    fp = SC.model_fingerprint(model)
+    fp = _FINGERPRINTS.get(model)
+    if fp is None:
+        fp = _FINGERPRINTS[model] = SC.model_fingerprint(model)
     corpus = _CORPORA.get((fp, scope))
     if corpus is None:
         persist, limit = SC.configured()
