@@ -963,3 +963,15 @@ def test_esc_in_the_command_palette_closes_it_and_leaves_a_waiting_prompt_alone(
             await until(pilot, lambda: len(app.messages) == 2)
 
     asyncio.run(go())
+
+
+def test_a_model_file_name_reaches_the_title_without_escapes_or_markup():
+    """A file name holding terminal escapes or markup brackets is shown as plain text in the chat's header."""
+    from localspec.tui.app import _display_name
+    from localspec.tui.widgets.header_bar import HeaderBar
+
+    name = _display_name("/models/tiny\x1b]0;pwned\x07[bold]x[red].gguf")
+    assert "\x1b" not in name and "\x07" not in name
+    bar = HeaderBar()
+    bar.show(name, "auto", 4, 0.0, "cpu", True)
+    assert "[bold]x[red].gguf" in str(bar.render())

@@ -8,6 +8,8 @@ from typing import Annotated
 
 import typer
 
+from localspec.printable import printable
+
 from localspec import settings as config
 from localspec.cli.options import ModelOpt, flags
 from localspec.errors import UsageError
@@ -41,7 +43,7 @@ def config_cmd(
     print_table(["setting", "value", "from"], [[k, "" if v.value is None else str(v.value), v.source] for k, v in eff.items()],
                 title=f"config file: {config.config_file()}")
     for name, vals in tuned.items():
-        typer.echo(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items()))
+        typer.echo(printable(f"tuned for {name}: " + ", ".join(f"{a}={b}" for a, b in vals.items())))
 
 
 def _setting_key(key: str) -> str:

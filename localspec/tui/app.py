@@ -436,10 +436,12 @@ class LocalspecApp(ChatHistory, App):
 
 
 def _display_name(model: str) -> str:
-    """A pair name as is; a path as its file name."""
+    """A pair name as is; a path as its file name; without control characters (a file name's escapes would reach
+    the terminal through the title)."""
     from localspec.models.registry import looks_like_path
+    from localspec.printable import printable
 
-    return Path(model).name if looks_like_path(model) else model
+    return printable(Path(model).name if looks_like_path(model) else model)
 
 
 def create_app(session, *, show_timings: bool = True, engine_loader=None, store=None,
