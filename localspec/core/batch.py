@@ -374,8 +374,8 @@ class BatchEngine:
 
     def _apart(self, parts: list, owners: list) -> list[tuple[list, list]]:
         """The step's decodes: one, or more where a prompt chunk beside other requests' rows would cost a `bit`
-        request its exactness (the probe found such a pass not bit-identical: on this CPU with repacked Q4_K
-        weights, a prompt beside 1-3 one-row steps). Then the generating rows decode first and the prompt chunks
+        request its exactness (the probe found such a pass not bit-identical, as on CPUs where ggml repacks Q4_K
+        weights). Then the generating rows decode first and the prompt chunks
         after, on their own, and where two prompts joining in the same step would share a pass, each on its own.
         Over separate KV streams that costs about no extra pass: llama.cpp ran a prompt's rows past the fewest any
         sequence of its pass had as a pass of their own anyway (split_equal), so only the shared pass is split."""

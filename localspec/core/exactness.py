@@ -1,10 +1,9 @@
 """How large may a verify batch be while every row's logits stay bit-identical to one-token decoding, and how far
 do the rows of bigger batches move?
 
-llama.cpp switches matmul kernels with the batch size (measured on Qwen2.5-Coder-1.5B Q4_K_M, AVX-512 CPU:
-batches of 1-3 rows are bit-identical to one-token decodes; from 4 rows the repacked Q4_K GEMM kicks in and
-logits move by up to 0.65; on CUDA and Metal the kernels change from 2 rows on). Verifying with such a batch
-can change greedy choices at margins below that. The probe measures, once per model file and build, the largest
+llama.cpp switches matmul kernels with the batch size (on CPUs that repack Q4_K weights, from 4 rows; on CUDA and
+Metal from 2 rows; docs/design.md, "Exactness", has the figures), so a verify batch can change greedy choices at
+small margins. The probe measures, once per model file and build, the largest
 exact batch (bit exactness caps k below it) and, per batch size, the largest |logit difference| between a batched
 row and the one-token decode of the same position (the divergence audit in `localspec bench` compares a
 divergence's top-2 margin with it).
@@ -182,9 +181,8 @@ def time_batches(model, upto: int, reps: int = COST_REPS, cancel=None) -> dict[i
     decodes after a 64-token prefix; the model's cache is restored afterwards. Also bench's same-run curve.
 
     The sizes are timed in interleaved sweeps (1..upto, then upto..1, ...) after one untimed sweep, so a machine
-    that slows down or speeds up while it measures shifts every size alike. Timed one size after the other (three
-    decodes of 1 row, then three of 2, ...), a busy first second on a 2-core AMD EPYC made 5-9 rows look 10-30%
-    cheaper than they are, the calibration kept that for good, and auto drafted where it lost (write code 0.92x)."""
+    that slows down or speeds up while it measures shifts every size alike; timed one size after the other, a slow
+    first second makes the larger sizes look cheaper than they are, and the controller then drafts where it loses."""
     saved = list(model.tokens)
     model.clear()
     try:
@@ -221,8 +219,8 @@ def _measure_costs(model, upto: int) -> dict[int, float]:
 def verify_costs(model, upto: int) -> dict[int, float]:
     """What a verify batch of b rows costs in one-token decodes, for b in 1..max(upto, COST_MIN_UPTO), measured once
     per model file, build, threads, GPU layers and KV type (cached beside the probe). The adaptive controller
-    starts from it instead of a guessed slope: on a 2-core AVX-512 CPU a batch of 4 rows costs less than one of 3
-    (the repacked GEMM), on a GPU 9 rows cost about one."""
+    starts from it instead of a guessed slope, since the curve is not linear (where ggml repacks weights, 4 rows can
+    cost less than 3; on a GPU 9 rows cost about one)."""
     upto = max(upto, COST_MIN_UPTO)
     key = COST_KEY + _key(model, 0)
     entry = read_json(CACHE_FILE).get(key)
@@ -274,8 +272,8 @@ def store_batch_probe(key: str, entry: dict) -> None:
 
 
 # ------------------------------------------------------------------ several requests in one pass (core/batch.py)
-# Two texts: whether a GEMM row rounds as the GEMV row does depends on the values (one text missed a 4 x 1 pass and a
-# prompt chunk that differ on Qwen 0.5B Q4_K with AVX-512).
+# Two texts: whether a GEMM row rounds as the GEMV row does depends on the values, so one text can miss a pass shape
+# that differs.
 BATCH_TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs, then "
               "def f(x): return x + 1")
 BATCH_TEXT_ALT = "Rows: 17, 42, 3.5e-2; SELECT name FROM users WHERE id = 9 -- {\"k\": [1, 2]}"
@@ -316,8 +314,7 @@ def probe_batch(ms, target, n_slots: int, most: int) -> ProbeResult:
                            "requests' rollbacks a request's cache cells are no longer in position order, and "
                            "attention sums them in cell order")
     n = n_slots
-    # whether a GEMM row rounds as the GEMV row does depends on the values: every check runs on two texts (one
-    # missed a 4 x 1 pass and a prompt chunk that differ on Qwen 0.5B Q4_K with AVX-512)
+    # whether a GEMM row rounds as the GEMV row does depends on the values: every check runs on two texts
     texts = []
     for source in (BATCH_TEXT, BATCH_TEXT_ALT):
         got = [t for t in target.tokenize(source, add_special=False) if 0 <= t < target.n_vocab]

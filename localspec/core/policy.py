@@ -225,9 +225,8 @@ class AdaptivePolicy:
         # proposal (k_max tokens) is noted, drafted or not, and judged against the tokens the target then emits.
         # At temperature 0 that is exactly what a verify would have accepted (at temperature > 0 a draft is accepted
         # exactly when the emitted token equals it), so every position's acceptance is measured for free, also the
-        # positions beyond the k actually drafted and the steps it declined. Without it, a drafter judged by k=1
-        # steps only ever measured position 1 (deeper positions inherited that figure), and one failed match kept
-        # it out for a whole copied block until the next probe.
+        # positions beyond the k actually drafted and the steps it declined: one failed match cannot keep it out of
+        # a copied block (docs/design.md, "The controller").
         self._shadows: list[tuple[str, str, int, list[int], int]] = []  # (name, key, position, tokens, judged)
         self._shadowed: set[str] = set()  # drafters whose step this is judged by its shadow
         # Judged by its key, a shadow stands where a drafting run would: not on the step right after a keyed shadow
@@ -301,11 +300,9 @@ class AdaptivePolicy:
                         k, rate, cap = k_full, rate_full, k_cap
                     elif name not in self._shadowed:
                         # a bigger k would pay, on figures not yet measured: gather them within the cap (bit-exact),
-                        # even where the capped k alone would not pay. Without this, a cap under which nothing pays
-                        # (a 3-row verify dearer than a 4-row one) never produced the evidence to leave it. A drafter
-                        # judged by its shadow (prompt lookup) gathers them for free on every step it has a match:
-                        # drafting it at the cap as well paid 3-row verifies for figures it had anyway (a 27-token
-                        # answer ran at 0.95x plain on the AVX-512 curve).
+                        # even where the capped k alone would not pay, or a cap under which nothing pays never yields
+                        # the evidence to leave it. A drafter judged by its shadow gets those figures for free, so it
+                        # is not drafted at the cap just to measure.
                         k, rate = cap, rate_full
             if k:
                 options.append((rate, name, k, cap, t_tok))
@@ -374,10 +371,9 @@ class AdaptivePolicy:
     def _covered(self, name: str, context: Sequence[int]) -> bool:
         """Whether the drafter's latest keyed shadow stood on the step before this one and its first token was right:
         a run drafting there (any k >= 1) emitted that token and the next one in the same step, so no drafting run
-        stands here. Judged on every step, a copied span of L tokens showed one miss in L + 1 proposals, where a
-        drafting run meets its end about once in every L/(k+1) + 1 steps: the short copies of an extract-JSON answer
-        (L ~ 3-5) looked accepted 0.75-0.8 of the time, and auto drafted them at a loss (0.94x plain replayed on the
-        2-core EPYC curve). Skipping the steps every drafting run skips keeps the figure k-free."""
+        stands here. Judged on every step, a copied span of L tokens shows one miss in L + 1 proposals, where a
+        drafting run meets its end about once in every L/(k+1) + 1 steps, so short copies look better than drafting
+        them is. Skipping the steps every drafting run skips keeps the figure k-free (docs/design.md)."""
         last = self._last_keyed.get(name)
         if last is None:
             return False
