@@ -250,3 +250,15 @@ def test_batch_runs_cross_vocab_drafts_on_the_single_path(near_engine):
         assert b.drafts is None
     finally:
         b.close()
+
+
+def test_prefill_puts_the_drafts_own_tokens_in_its_cache(near_engine, plain):
+    """A prefilled prompt (a reopened chat) reaches the draft model as its own tokenization of the prompt's text,
+    never as the target's token ids."""
+    prompt = near_engine.raw_prompt(PROMPTS[3])
+    near_engine.draft.clear()
+    near_engine.prefill(prompt)
+    d = near_engine.draft_drafter(GenConfig())
+    assert near_engine.draft.tokens == d.draft_context(prompt) != prompt
+    r = near_engine.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0.0))
+    assert r.tokens == plain[PROMPTS[3]]
