@@ -59,7 +59,7 @@ def _setting_key(key: str) -> str:
 @config_app.command("set")
 def config_set(key: Annotated[str, typer.Argument(help="Setting name, as `localspec config` lists them.")],
                value: Annotated[str, typer.Argument(help="The value.")]):
-    """Store a setting in the config file (validated first; the file's other keys and comments-free layout kept)."""
+    """Store a setting in the config file (checked first; the file's other keys are kept)."""
     from localspec.session import resolve_settings, validate
 
     k = _setting_key(key)

@@ -13,7 +13,7 @@ from localspec import __version__
 from localspec import settings as config
 
 
-def doctor(as_json: Annotated[bool, typer.Option("--json")] = False):
+def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
     """Versions, compiled backends and devices, CPU features, threads, cache, models and exactness probes."""
     from localspec.models import download
     from localspec.models import registry

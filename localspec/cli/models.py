@@ -16,7 +16,7 @@ models_app = typer.Typer(help="List, download, inspect and add model pairs.", no
 
 
 @models_app.command("list")
-def models_list(as_json: Annotated[bool, typer.Option("--json")] = False,
+def models_list(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
                 local: Annotated[bool, typer.Option("--local", help="Only what is on this machine: downloaded pairs and hub models, and the GGUFs of Ollama, LM Studio and llama.cpp's cache.")] = False):
     """Pairs, and hub models fetched by name, whether downloaded, sizes and local paths. With --local, also the models
     other runners keep here (Ollama's store, LM Studio's folders, llama.cpp's download cache), read where they lie."""
@@ -166,7 +166,7 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
 
 @models_app.command("info")
 def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path.")],
-                as_json: Annotated[bool, typer.Option("--json")] = False):
+                as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
     """GGUF facts (architecture, size, quantization, context, vocab) and the pair's compatibility verdict."""
     from localspec.models import download
     from localspec.models import registry
@@ -235,7 +235,7 @@ def models_add(
     draft: Annotated[Optional[str], typer.Option("--draft", help="Local path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT]")] = None,
     k: Annotated[int, typer.Option("-k", help="Default draft tokens.")] = 4,
     ctx: Annotated[int, typer.Option("--ctx", help="Default context size.")] = 4096,
-    description: Annotated[str, typer.Option("--description")] = "",
+    description: Annotated[str, typer.Option("--description", help="A line shown by `localspec models list`.")] = "",
 ):
     """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
     from localspec.models import download
@@ -268,7 +268,7 @@ def models_add(
 
 
 @models_app.command("pairs")
-def models_pairs(as_json: Annotated[bool, typer.Option("--json")] = False):
+def models_pairs(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
     """Which of the models on this machine can draft for which, and how (same vocabulary, through text, head), from
     their GGUF headers alone: downloaded pairs and hub models, Ollama's store, LM Studio's folders, llama.cpp's cache."""
     from localspec.models import download

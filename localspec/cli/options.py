@@ -11,6 +11,7 @@ from typing import Annotated, Optional
 import typer
 
 from localspec import settings as config
+from localspec.defaults import METHODS
 from localspec.errors import UsageError
 
 
@@ -71,7 +72,6 @@ def err(msg: str) -> None:
 
 
 # how the CLI names a setting in an error message (the library names the setting itself)
-# how the CLI names a setting in an error message (the library names the setting itself)
 SETTING_WORDS = {"draft_tokens": "-k", "max_tokens": "-n", "ctx_size": "-c", "draft": "-d PATH or a pair with a draft"}
 
 
@@ -96,18 +96,18 @@ def _opt(key: str, *names: str, help: str | None = None, typ=None):
 
 _META = {str: "TEXT", int: "N", float: "X"}
 
-ModelOpt = _opt("model", "-m", "--model", help="Pair name, GGUF path, hf://OWNER/REPO/FILE.gguf or OWNER/REPO[:QUANT].")
+ModelOpt = _opt("model", "-m", "--model", help="Pair name, GGUF path, hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT] or ollama:NAME[:TAG].")
 DraftOpt = _opt("draft", "-d", "--draft", help="Draft GGUF path, hub name, or a pair name (its draft).")
-MethodOpt = _opt("method", "--method", help="How to speculate: auto | draft | lookup | none.")
+MethodOpt = _opt("method", "--method", help="How to speculate: " + " | ".join(METHODS) + ".")
 KOpt = _opt("draft_tokens", "-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use); default: the pair's k, else 4.")
 TempOpt = _opt("temperature", "-t", "--temperature", "--temp", help="Sampling temperature; 0 = greedy.")
 SystemOpt = _opt("system", "-s", "--system", help="System prompt.")
 MaxTokOpt = _opt("max_tokens", "-n", "--max-tokens", help="Most tokens to generate.")
 CtxOpt = _opt("ctx_size", "-c", "--ctx-size", help="Context size in tokens; default: the pair's, else 4096.")
-GpuOpt = _opt("gpu_layers", "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target layers offloaded to the GPU (-1 = all).")
-DraftGpuOpt = _opt("draft_gpu_layers", "--draft-gpu-layers", "-ngld", help="Draft layers offloaded to the GPU (-1 = all).")
+GpuOpt = _opt("gpu_layers", "-ngl", "--gpu-layers", "--n-gpu-layers", help="Target layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0).")
+DraftGpuOpt = _opt("draft_gpu_layers", "--draft-gpu-layers", "-ngld", help="Draft layers offloaded to the GPU (-1 = all; default: all when llama.cpp has a GPU, else 0).")
 ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.")
-ExactnessOpt = _opt("exactness", "--exactness", help="Exactness level: auto | bit | lossless (see README, Exactness).")
+ExactnessOpt = _opt("exactness", "--exactness", help="Exactness level: auto | bit | lossless (see the README, Exactness).")
 RpcOpt = _opt("rpc", "--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.")
 SplitOpt = _opt("tensor_split", "--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.")
 TemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False, metavar="FILE")]

@@ -37,7 +37,7 @@ def serve(
     host: Annotated[str, typer.Option("--host", help="Address to listen on; anything but loopback exposes the API.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", help="TCP port (0: any free port).")] = 8080,
     api_key: Annotated[Optional[str], typer.Option("--api-key", envvar="LOCALSPEC_API_KEY", help="Require Authorization: Bearer KEY (env LOCALSPEC_API_KEY).", show_default=False)] = None,
-    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while one generates (more: 503).")] = 8,
+    queue: Annotated[int, typer.Option("--queue", help="Requests that may wait while every slot is busy (more: 503 with Retry-After).")] = 8,
     chat_template: TemplateOpt = None,
     allowed_hosts: Annotated[Optional[str], typer.Option("--allowed-hosts", envvar="LOCALSPEC_ALLOWED_HOSTS", help="Host header names accepted besides the bound address and localhost, comma-separated (* = any; env LOCALSPEC_ALLOWED_HOSTS).", show_default=False)] = None,
     cors_origins: Annotated[Optional[str], typer.Option("--cors-origins", help="Browser origins allowed to call the API, comma-separated, e.g. http://localhost:5173 (localhost = pages on this machine, any port; * = any; default: none).", show_default=False)] = None,
@@ -45,7 +45,7 @@ def serve(
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
     no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
     kv_layout: Annotated[str, typer.Option("--kv-layout", help="With --parallel N > 1, where the slots keep their KV cache: split (one stream each: a request keeps bit exactness while the passes it shares are bit-identical), unified (one cache: every step is one forward pass, drafted rows included; batched requests run at lossless), auto (unified where a full batch is not bit-identical here anyway and the method drafts, else split).")] = "auto",
-    parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch, each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
+    parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch (1-64), each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
     from localspec.server.app import serve as run_server
