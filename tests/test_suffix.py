@@ -186,6 +186,19 @@ def test_a_damaged_file_is_rebuilt_with_one_notice(capsys):
         assert capsys.readouterr().err == ""
 
 
+def test_a_cache_that_cannot_be_written_costs_one_notice_and_keeps_its_documents_for_later(capsys):
+    f = SC.SuffixFile("fp1", "", 10_000)
+    f.path.mkdir(parents=True)  # something that is not a file where the cache goes
+    corpus = S.SuffixCorpus(10_000, store=f)
+    corpus.commit(doc(0, [1, 2, 3]))
+    corpus.save()
+    corpus.save()
+    assert capsys.readouterr().err.count("note: the suffix cache") == 1
+    f.path.rmdir()
+    corpus.save()
+    assert f.load() == [("d0", 0.0, [1, 2, 3])]
+
+
 def test_a_cache_of_another_vocabulary_is_never_read():
     SC.SuffixFile("fpA", "", 10_000).save([doc(0, [1, 2, 3])])
     other = SC.SuffixFile("fpB", "", 10_000)

@@ -239,6 +239,9 @@ class SuffixCorpus:
             self._saved_at = time.monotonic()
             if docs and self.store.save(list(docs.values())):
                 self._unsaved.clear()
+            else:  # kept for the next try, as far as the corpus still holds them (a cache dir that stays read-only)
+                kept = {d.id for d in self.docs}
+                self._unsaved = {i: d for i, d in self._unsaved.items() if i in kept}
 
 
 class _AtExit:

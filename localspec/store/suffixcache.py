@@ -99,12 +99,13 @@ def configured() -> tuple[bool, int]:
     return persist, max(0, tokens)
 
 
-def _notice(path: Path, why: str, say: Callable[[str], None] | None) -> None:
+def _notice(path: Path, why: str, say: Callable[[str], None] | None,
+            then: str = "it is rebuilt from the next answers") -> None:
     key = str(path)
     if key in _noticed:
         return
     _noticed.add(key)
-    msg = f"note: the suffix cache {path} {why}; it is rebuilt from the next answers"
+    msg = f"note: the suffix cache {path} {why}; {then}"
     if say is not None:
         say(msg)
     else:
@@ -120,7 +121,7 @@ def _parse(path: Path, fp: str, say) -> list[dict] | None:
     except FileNotFoundError:
         return None
     except OSError as exc:
-        _notice(path, f"cannot be read ({exc.strerror or exc})", say)
+        _notice(path, f"cannot be read ({exc.strerror or exc})", say, "it is not used")
         return None
     try:
         data = json.loads(text)
@@ -178,7 +179,8 @@ class SuffixFile:
                 os.chmod(self.path, 0o600)
             return True
         except OSError as exc:
-            _notice(self.path, f"cannot be written ({exc.strerror or exc})", self.say)
+            _notice(self.path, f"cannot be written ({exc.strerror or exc})", self.say,
+                    "answers are kept within this process only")
             return False
 
 
