@@ -1,4 +1,4 @@
-"""A draft model that drafts for every slot of a BatchEngine in one batch (issue #24).
+"""A draft model that drafts for every slot of a BatchEngine in one batch.
 
 The single-sequence path drafts with drafters/draft_model.py: the draft model's own context, one sequence. Here the
 draft model gets a MultiSeq (llama/multiseq.py: a second context on its weights) with one sequence per slot, and a
