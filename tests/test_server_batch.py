@@ -234,3 +234,49 @@ def test_serve_probes_and_calibrates_before_it_says_ready_and_a_second_start_rea
             _, err = p.communicate(timeout=60)
         assert p.returncode == 0, err.decode()
     assert layouts[0] == layouts[1]
+
+
+def test_n_choices_are_generations_of_their_own_decoded_together(batched):
+    """n > 1: each choice samples with its own stream (seed + i), equals that request sent alone, and the choices
+    share the batch's decodes; usage counts every choice, the prompt once."""
+    body = chat(PROMPTS[0], temperature=2.0, top_p=1.0, seed=7, n=3, max_tokens=24)
+    ms = batched.app.state.worker.batch.ms
+    decode, seen = ms.decode, []
+
+    def recording(parts, **kw):
+        seen.append({p[0] for p in parts})
+        return decode(parts, **kw)
+
+    ms.decode = recording
+    try:
+        r = post(batched, body)
+    finally:
+        ms.decode = decode
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2]
+    assert any(len(s) == 3 for s in seen)
+    alone = [post(batched, {**body, "n": 1, "seed": 7 + i}) for i in range(3)]
+    assert [c["message"]["content"] for c in r["choices"]] == [text(a) for a in alone]
+    assert len({c["message"]["content"] for c in r["choices"]}) > 1  # the streams differ
+    assert r["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    assert r["usage"]["prompt_tokens"] == alone[0]["usage"]["prompt_tokens"]
+
+
+def test_n_choices_stream_with_their_index(batched):
+    body = chat(PROMPTS[1], temperature=2.0, seed=3, n=2, max_tokens=16, stream=True,
+                stream_options={"include_usage": True})
+    conn = http.client.HTTPConnection(batched.host, int(batched.port), timeout=120)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    raw = conn.getresponse().read().decode()
+    conn.close()
+    events = [line[6:] for line in raw.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for ch in c["choices"]:
+            texts[ch["index"]] += ch["delta"].get("content") or ""
+    usage = [c for c in chunks if c.get("usage")]
+    assert len(usage) == 1 and usage[0]["choices"] == []
+    whole = post(batched, {**body, "stream": False, "stream_options": None})
+    assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
+    assert usage[0]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]

@@ -41,7 +41,8 @@ def test_strict_model_refuses_other_names_with_404(session):
     ({"temperature": 2.5}, "temperature"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
+    ({"n": 0}, "n"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream
 ])
 def test_openai_range_checks_are_400(open_api, kw, param):

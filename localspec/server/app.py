@@ -12,6 +12,8 @@ and name the request's JSON fields.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 import uuid
 from typing import Any, Callable, Sequence
@@ -64,10 +66,13 @@ def template_of(eng):
         return None
 
 
+MAX_N = 8  # choices per request: each is a generation of its own, decoded beside the others under --parallel
+
+
 def check_ranges(req: Common) -> None:
     """The checks OpenAI applies before anything else (the engine checks the rest)."""
-    if req.n is not None and req.n != 1:
-        raise APIError(400, "n must be 1 (one choice per request)", param="n")
+    if req.n is not None and not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
     t = req.temperature
     if t is not None and t > 2:
         raise APIError(400, f"temperature must be between 0 and 2, got {t}", param="temperature")
@@ -183,55 +188,142 @@ class Generations:
                            param="localspec.k")
         return cfg
 
+    def choice_config(self, req: Common, i: int, constraint_again=None) -> GenConfig:
+        """Choice i of a request with n > 1: a generation of its own, with its own grammar (constraint_again()
+        builds the request's tool grammar again; response_format's is built by gen_config) and its own sampling
+        stream (seed + i where a seed is given, else a fresh one)."""
+        cfg = self.gen_config(req, constraint_again() if constraint_again is not None else None)
+        seed = cfg.sampling.seed
+        cfg.sampling = dataclasses.replace(cfg.sampling, seed=None if seed is None else seed + i)
+        return cfg
+
     async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
-                  stream=None, logprobs=None, constraint=None):
+                  stream=None, logprobs=None, constraint=None, constraint_again=None):
         """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
         `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'.
         `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
         `constraint`: the grammar of a forced tool call (server/tools.py)."""
         cfg = self.gen_config(req, constraint)
-        lp = Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
         tokens = await self.prompt(build, cfg)
-        job = Job(lambda eng: tokens, cfg, asyncio.get_running_loop(), asyncio.Queue())
-        self.worker.submit(job)
+        n = req.n or 1
+        cfgs = [cfg] + [self.choice_config(req, i, constraint_again) for i in range(1, n)]
+        lps = [Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
+               for _ in range(n)]
+        jobs = [Job(lambda eng: tokens, c, asyncio.get_running_loop(), asyncio.Queue()) for c in cfgs]
+        for job in jobs:
+            self.worker.submit(job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cid = uuid.uuid4().hex[:24]
         now = int(time.time())
         try:
-            first = await next_event(request, job)
+            firsts = [await next_event(request, job) for job in jobs]
         except ClientGone:
             return JSONResponse(error_body("client disconnected"), status_code=499)
         except BaseException:
-            job.cancel.set()
+            for job in jobs:
+                job.cancel.set()
             raise
-        if isinstance(first, APIError):
-            return first.response()
+        for first in firsts:
+            if isinstance(first, APIError):
+                for job in jobs:
+                    job.cancel.set()
+                return first.response()
         if not req.stream:
-            ev = first
             try:
-                while not isinstance(ev, Finished):
-                    if isinstance(ev, APIError):
-                        return ev.response()
-                    if lp is not None and isinstance(ev, Piece):
-                        lp.add(ev)
-                    ev = await next_event(request, job)
+                fins = await asyncio.gather(*[self._whole(request, job, first, lp)
+                                              for job, first, lp in zip(jobs, firsts, lps)])
             except ClientGone:
                 return JSONResponse(error_body("client disconnected"), status_code=499)
             except BaseException:
-                job.cancel.set()
+                for job in jobs:
+                    job.cancel.set()
                 raise
-            body = whole(cid, now, ev, cfg)
-            if lp is not None:
-                body["choices"][0]["logprobs"] = lp.take()
-            if tools is not None:
-                T.answer_calls(body, ev, tools)
+            for fin in fins:
+                if isinstance(fin, APIError):
+                    return fin.response()
+            bodies = []
+            for i, (fin, c, lp) in enumerate(zip(fins, cfgs, lps)):
+                body = whole(cid, now, fin, c)
+                if n > 1:
+                    body["choices"][0]["index"] = i
+                if lp is not None:
+                    body["choices"][0]["logprobs"] = lp.take()
+                if tools is not None:
+                    T.answer_calls(body, fin, tools)
+                bodies.append(body)
+            body = bodies[0]
+            if n > 1:  # one body: every choice, and the usage of all of them (the prompt counted once)
+                body["choices"] = [b["choices"][0] for b in bodies]
+                done = sum(b["usage"]["completion_tokens"] for b in bodies)
+                body["usage"] = {**body["usage"], "completion_tokens": done,
+                                 "total_tokens": body["usage"]["prompt_tokens"] + done}
+                body["localspec"] = {**body["localspec"], "choices": [b["localspec"] for b in bodies]}
             return JSONResponse(body)
-        splitter = T.ToolStream(tools) if tools is not None else None
-        body = (stream(job, first, cfg, cid, now) if stream is not None
-                else self.events(job, first, cfg, cid, now, chunk, include_usage, splitter, lp))
+        if n > 1 and stream is not None:
+            for job in jobs:
+                job.cancel.set()
+            raise APIError(400, "n > 1 is not streamed on this endpoint; send stream: false", param="n")
+        if n == 1:
+            splitter = T.ToolStream(tools) if tools is not None else None
+            body = (stream(jobs[0], firsts[0], cfg, cid, now) if stream is not None
+                    else self.events(jobs[0], firsts[0], cfg, cid, now, chunk, include_usage, splitter, lps[0]))
+        else:
+            body = self._merged([self.events(job, first, c, cid, now, chunk, include_usage,
+                                             T.ToolStream(tools) if tools is not None else None, lp)
+                                 for job, first, c, lp in zip(jobs, firsts, cfgs, lps)], include_usage)
         return StreamingResponse(body,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _whole(self, request: Request, job: Job, ev, lp):
+        """A job's events up to its Finished (or its error), the logprobs gathered on the way."""
+        while not isinstance(ev, Finished):
+            if isinstance(ev, APIError):
+                return ev
+            if lp is not None and isinstance(ev, Piece):
+                lp.add(ev)
+            ev = await next_event(request, job)
+        return ev
+
+    async def _merged(self, streams: list, include_usage: bool):
+        """The SSE events of n choices' streams as one stream, as OpenAI sends n > 1: each chunk names its choice
+        by `index`; one [DONE] at the end, after one usage chunk for all choices when asked for."""
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for ev in gen:
+                    await q.put((i, ev))
+            finally:
+                await q.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(streams)]
+        left, usages, last = len(streams), [], None
+        try:
+            while left:
+                i, ev = await q.get()
+                if ev is None:
+                    left -= 1
+                    continue
+                if ev == O.DONE:
+                    continue
+                obj = json.loads(ev[len(b"data: "):])
+                if "usage" in obj and not obj.get("choices"):  # each choice's usage: one chunk for all, at the end
+                    usages.append(obj["usage"])
+                    last = obj
+                    continue
+                for c in obj.get("choices") or ():
+                    c["index"] = i
+                yield sse(obj)
+            if last is not None:
+                done = sum(u["completion_tokens"] for u in usages)
+                last["usage"] = {**usages[0], "completion_tokens": done, "total_tokens": usages[0]["prompt_tokens"] + done}
+                last.pop("localspec", None)
+                yield sse(last)
+            yield O.DONE
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
                      splitter: T.ToolStream | None = None, lp: Logprobs | None = None):
@@ -376,7 +468,8 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
                               tools=names if tools is not None else None, logprobs=O.chat_logprobs,
-                              constraint=con)
+                              constraint=con, constraint_again=None if con is None else lambda: tool_constraint(
+                                  tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
