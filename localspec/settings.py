@@ -94,7 +94,7 @@ _CHECKS = {"rpc": lambda p: p.parse_servers, "tensor_split": lambda p: p.parse_t
 
 def tuned_results() -> dict:
     """Stored tune results ({model key: {setting: value}}) from the config file's [tuned] table. A broken entry
-    is ignored (a `tuned` that is not a table, an entry that is not one), as the README promises."""
+    is ignored (a `tuned` that is not a table, an entry that is not one), as docs/run.md promises."""
     tuned = load_toml(config_file()).get("tuned")
     if not isinstance(tuned, dict):
         return {}

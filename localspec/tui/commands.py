@@ -1,4 +1,4 @@
-"""The chat's slash commands: the table /help, the command palette and the README list, one small handler per
+"""The chat's slash commands: the table /help, the command palette and docs/chat.md list, one small handler per
 command, and the palette's provider. A handler parses its argument and asks the session to make the change; the
 session checks the value (as it checks a flag), so nothing here re-decides what a valid method, k or temperature
 is. A setting's error is worded with the chat's own commands (`/k`, not `-k` or draft_tokens)."""
@@ -16,12 +16,12 @@ from localspec.errors import LocalspecError, SettingError, UsageError
 from localspec.store.cachefile import atomic_write
 from localspec.tui.widgets.transcript import Transcript
 
-# every slash command: (command, argument, what it does); /help, the command palette and the README list these
+# every slash command: (command, argument, what it does); /help, the command palette and docs/chat.md list these
 SLASH = [
     ("/help", "", "list the commands and keys"),
     ("/method", "|".join(METHODS), "how to speculate"),
     ("/k", "N", "draft tokens per step (auto: the most it may use)"),
-    ("/exactness", "|".join(EXACTNESS), "bit: identical to plain decoding; lossless: k uncapped (see README)"),
+    ("/exactness", "|".join(EXACTNESS), "bit: identical to plain decoding; lossless: k uncapped (see the README, Exactness)"),
     ("/temp", "F", "temperature (0 = greedy: the same answer every time)"),
     ("/system", "TEXT", "system prompt (empty: none)"),
     ("/new", "", "start a new chat (also /clear)"),
