@@ -6,7 +6,7 @@ Works against `localspec serve` and native `llama-server` alike (both speak POST
 its wall time, latency is each request's send-to-answer time as the client sees it (queueing included).
 
 Usage: python benchmarks/serve_concurrency.py --url http://127.0.0.1:8080 [--clients 1,2,4] [-n 64]
-       [--requests 2] [--label NAME] [--localspec-method auto] [--json]
+       [--requests 2] [--label NAME] [--localspec-method auto] [--json-schema] [--json]
 
 E.g. (same model, same machine, one server at a time):
   localspec serve -m qwen2.5-coder-1.5b-instruct.gguf --method none --parallel 4 --port 8080 &
@@ -30,6 +30,11 @@ PROMPTS = ["Write a Python function that reverses a string.", "Explain what a ha
            "List three prime numbers and say why they are prime.", "Write a haiku about compilers.",
            "Write a Python function that checks whether a number is prime.", "What does `git rebase` do?",
            "Write a SQL query that counts users per country.", "Explain Python decorators briefly."]
+
+
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "points": {"type": "array", "items": {
+    "type": "string"}, "maxItems": 5}, "confidence": {"type": "number"}}, "required": ["title", "points", "confidence"],
+          "additionalProperties": False}
 
 
 def pct(xs, q):
@@ -60,6 +65,8 @@ def body_for(i: int, args) -> dict:
          "max_tokens": args.n, "temperature": 0}
     if args.localspec_method:
         b["localspec"] = {"method": args.localspec_method}
+    if args.json_schema:  # structured output on every request (what agents send)
+        b["response_format"] = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
     return b
 
 
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=2, help="requests each client sends, one after another")
     ap.add_argument("--label", default="", help="a name for this server in the output")
     ap.add_argument("--localspec-method", default=None, help="send localspec.method (localspec serve only)")
+    ap.add_argument("--json-schema", action="store_true", help="every request asks for a json_schema answer")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--no-warmup", action="store_true")
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
