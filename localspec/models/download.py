@@ -34,9 +34,19 @@ def hf_cache() -> str:
 
 
 def hf_endpoint() -> str:
+    """The hub's address, for every request localspec makes to it (which is why the telemetry switch is here)."""
     from huggingface_hub import constants
 
+    no_telemetry()
     return (os.environ.get("HF_ENDPOINT") or constants.ENDPOINT).rstrip("/")
+
+
+def no_telemetry() -> None:
+    """localspec asks the hub for model files and nothing else: huggingface_hub's telemetry stays off (the details it
+    adds to the user agent, and a registry of AI agents it would fetch once a day and cache under HF_HOME)."""
+    from huggingface_hub import constants
+
+    constants.HF_HUB_DISABLE_TELEMETRY = True
 
 
 def offline() -> bool:
