@@ -86,6 +86,13 @@ def test_links_between_the_docs_reach_a_file_and_a_heading():
     assert not bad, bad
 
 
+def test_files_the_docs_name_exist():
+    pattern = re.compile(r"(?<![\w./-])((?:tests|benchmarks|localspec|docs|\.ci)/[\w./-]*\w)")
+    missing = [f"{page.name}: {path}" for page in [README, *DOCS.glob("*.md")]
+               for path in pattern.findall(page.read_text(encoding="utf-8")) if not (ROOT / path).exists()]
+    assert not missing, missing
+
+
 def test_every_command_and_option_is_documented():
     text = documentation()
     missing = []
