@@ -3,6 +3,7 @@ a client that leaves mid-batch leaves the others unchanged; /health and /metrics
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -74,6 +75,23 @@ def at_once(s: Served, bodies: list[dict]) -> list[dict]:
     for t in ths:
         t.join(120)
     return out
+
+
+@contextlib.contextmanager
+def decodes(s: Served):
+    """The sequences of every batched decode while the block runs (one set per llama_decode)."""
+    ms = s.app.state.worker.batch.ms
+    decode, seen = ms.decode, []
+
+    def recording(parts, **kw):
+        seen.append({p[0] for p in parts})
+        return decode(parts, **kw)
+
+    ms.decode = recording
+    try:
+        yield seen
+    finally:
+        ms.decode = decode
 
 
 def text(r: dict) -> str:
@@ -150,18 +168,8 @@ def test_schema_tools_logprobs_and_plain_requests_are_decoded_together(batched):
               chat(PROMPTS[2], logprobs=True, top_logprobs=2),
               chat(PROMPTS[3])]
     alone = [post(batched, b) for b in bodies]
-    ms = batched.app.state.worker.batch.ms
-    decode, seen = ms.decode, []
-
-    def recording(parts, **kw):
-        seen.append({p[0] for p in parts})
-        return decode(parts, **kw)
-
-    ms.decode = recording
-    try:
+    with decodes(batched) as seen:
         got = at_once(batched, bodies)
-    finally:
-        ms.decode = decode
     assert any(len(s) == 4 for s in seen)
     def message(r):  # a tool call's id is new each time
         m = dict(r["choices"][0]["message"])
@@ -240,18 +248,8 @@ def test_n_choices_are_generations_of_their_own_decoded_together(batched):
     """n > 1: each choice samples with its own stream (seed + i), equals that request sent alone, and the choices
     share the batch's decodes; usage counts every choice, the prompt once."""
     body = chat(PROMPTS[0], temperature=2.0, top_p=1.0, seed=7, n=3, max_tokens=24)
-    ms = batched.app.state.worker.batch.ms
-    decode, seen = ms.decode, []
-
-    def recording(parts, **kw):
-        seen.append({p[0] for p in parts})
-        return decode(parts, **kw)
-
-    ms.decode = recording
-    try:
+    with decodes(batched) as seen:
         r = post(batched, body)
-    finally:
-        ms.decode = decode
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
     assert any(len(s) == 3 for s in seen)
     alone = [post(batched, {**body, "n": 1, "seed": 7 + i}) for i in range(3)]
