@@ -4,7 +4,7 @@
 # prompts (benchmarks/heldout_prompts.json), 128 tokens, 2 threads, BF16 KV, flash attention on both sides.
 # The native tools get the prompt in Qwen's ChatML template (what localspec renders for the Qwen pair).
 # Usage: benchmarks/native_compare.sh [TARGET.gguf] [DRAFT.gguf]   (env: BIN=dir of native tools, REPS=2, N=128,
-#   PROMPTS=a prompts JSON file (default heldout_prompts.json; auto_prompts.json has the six kinds of the `auto` issue),
+#   PROMPTS=a prompts JSON file (default heldout_prompts.json; auto_prompts.json has six kinds of prompt where lookup pays),
 #   CONFIGS="METHOD:EXACTNESS:K ..." for localspec (default "none:auto:8 auto:bit:8 auto:lossless:8"; auto:auto:8 is
 #   `auto` as shipped), OLD=a checkout of an older localspec to run beside it (same venv) as old-METHOD-EXACTNESS)
 set -u

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The issue #24 table in one run: localspec serve at --parallel 1, 2, 4 (plain and auto) against native llama-server
+# The serve concurrency table in one run: localspec serve at --parallel 1, 2, 4 (plain and auto) against native llama-server
 # -np 4 (plain and --spec-type ngram-simple), same model, same threads, BF16 KV and flash attention on both sides,
 # each server alone on the machine, 1/2/4 clients (benchmarks/serve_concurrency.py).
 # Usage: benchmarks/serve_concurrency.sh [TARGET.gguf]   (env: BIN=dir of native tools, N=64, REQUESTS=2, THREADS=2,
