@@ -34,7 +34,7 @@ from localspec.core.generation import Generation, check_bias, check_prompt, new_
 from localspec.core.policy import build_policy
 from localspec.core.response import Response
 from localspec.drafters import PromptLookupDrafter, Proposal
-from localspec.errors import LocalspecError, UsageError
+from localspec.errors import UsageError
 from localspec.knobs import knobs
 from localspec.seq import common_prefix
 
@@ -245,7 +245,7 @@ class BatchEngine:
         if self.single_reason(cfg):
             raise UsageError(self.single_reason(cfg))
         prompt = check_prompt(prompt_tokens, self.n_ctx, cfg.max_tokens)
-        check_bias(cfg, self.target.n_vocab)
+        bias = check_bias(cfg, self.target.n_vocab)
         free = [s for s, r in enumerate(self.runs) if r is None]
         if not free:
             raise UsageError("no free slot")
@@ -281,7 +281,7 @@ class BatchEngine:
         stats.running = True
         for drafter in policy.drafters.values():
             drafter.begin(prompt)
-        self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats,
+        self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats, bias=bias,
                               sink=sink or (lambda ev: None), cancel=cancel)
         return seq
 
@@ -547,19 +547,11 @@ class BatchEngine:
         if run.prefill:
             return
         run.stats.prompt_s = time.perf_counter() - run.t0
-        self._guarded(run, run.start, rows[0])
+        run.guarded(run.start, rows[0])
 
     def _verified(self, run: _Run, rows, share: float) -> None:
         # past the drafts' rows: padding (_pad), rolled back with the rejected rows
-        self._guarded(run, run.verified, rows, lambda n: self.ms.truncate(run.seq, n), share=share)
-
-    @staticmethod
-    def _guarded(run: _Run, fn, *args, **kw) -> None:
-        """A request's own error (its bias leaves no token its grammar allows) ends that request, not the batch."""
-        try:
-            fn(*args, **kw)
-        except LocalspecError as exc:
-            run.fail(exc)
+        run.guarded(run.verified, rows, lambda n: self.ms.truncate(run.seq, n), share=share)
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None

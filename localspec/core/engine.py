@@ -23,7 +23,7 @@ from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
-from localspec.errors import IncompatibleDraftError, LocalspecError, SettingError, UsageError
+from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
 from localspec.models.pair import check_pair
 
@@ -419,7 +419,7 @@ class Engine:
         cfg = cfg or GenConfig()
         target = self.target
         prompt = check_prompt(prompt_tokens, target.n_ctx, cfg.max_tokens)
-        check_bias(cfg, target.n_vocab)  # nothing left to say: the request's error, before any work
+        bias = check_bias(cfg, target.n_vocab)  # nothing left to say: the request's error, before any work
         from localspec.core.exactness import ProbeCancelled
 
         try:
@@ -440,7 +440,7 @@ class Engine:
         stats.prompt_tokens = len(prompt)
         events: deque = deque()
         t0 = stats.started = time.perf_counter()
-        gen = Generation(target, prompt, cfg, policy, stats, sink=events.append, cancel=cancel, t0=t0)
+        gen = Generation(target, prompt, cfg, policy, stats, bias=bias, sink=events.append, cancel=cancel, t0=t0)
         self._assembler = gen.text
         stats.running = True
 
@@ -457,10 +457,10 @@ class Engine:
             self._after_decode(*getattr(target, "last_replay", ((), 0)))
             self._after_decode(prompt[target.reused:], target.reused)
             stats.prompt_s = time.perf_counter() - t0
-            failed = _guarded(gen.start, logits)
+            gen.guarded(gen.start, logits)
             while events:
                 yield events.popleft()
-            while failed is None:
+            while gen.error is None:
                 plan = gen.plan(room=target.n_ctx - len(target.tokens) - 1)  # room: what the cache takes after pending
                 if plan is None:
                     break
@@ -469,11 +469,11 @@ class Engine:
                 base = gen.step.base = len(target.tokens)
                 rows = target.decode(batch, "all", copy=False)  # used before the next decode
                 self._after_decode(batch, base)
-                failed = _guarded(gen.verified, rows, truncate, t_start=tv)
+                gen.guarded(gen.verified, rows, truncate, t_start=tv)
                 while events:
                     yield events.popleft()
-            if failed is not None:  # the request's own error, after the tokens emitted before it
-                raise failed
+            if gen.error is not None:  # the request's own error, after the tokens emitted before it
+                raise gen.error
         finally:
             gen.settle()
             stats.add_rollback(roll0, _rollback_counters(target), draft0, _rollback_counters(self.draft))
@@ -494,16 +494,6 @@ class Engine:
 
     def complete(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None) -> Finished:
         return self.respond(prompt_tokens, cfg).result()
-
-
-def _guarded(fn, *args, **kw) -> LocalspecError | None:
-    """A request's own error (its bias leaves no token its grammar allows), held until the tokens before it are
-    out."""
-    try:
-        fn(*args, **kw)
-    except LocalspecError as exc:
-        return exc
-    return None
 
 
 def _can_rollback(model) -> bool:

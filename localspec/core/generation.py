@@ -27,7 +27,7 @@ from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler
 from localspec.sample.verify import NO_TOKEN, greedy_verify, keyed_verify, one_hot, speculative_sampling
 from localspec.drafters import Proposal
-from localspec.errors import ContextOverflowError, SettingError, UsageError
+from localspec.errors import ContextOverflowError, LocalspecError, SettingError, UsageError
 
 
 @dataclass
@@ -139,8 +139,10 @@ class Generation:
     """One request: see the module's docstring. `prompt` is kept as the context (it grows with the answer; its last
     element is the pending token once the first one is emitted). Not thread-safe: its scheduler's thread only."""
 
-    def __init__(self, target, prompt: list[int], cfg, policy, stats, *, sink: Callable,
+    def __init__(self, target, prompt: list[int], cfg, policy, stats, *, bias: np.ndarray | None, sink: Callable,
                  cancel=None, t0: float | None = None) -> None:
+        """bias: check_bias(cfg, ...), which the scheduler calls before any work (a bias that bans every token is
+        the request's error)."""
         self.target = target
         self.cfg = cfg
         self.policy = policy
@@ -157,7 +159,7 @@ class Generation:
         # the exactness level in force (bit | lossless): run state the scheduler decides by; stats only report it
         self.level = stats.exactness
         sp = cfg.sampling
-        self.bias = check_bias(cfg, target.n_vocab)
+        self.bias = bias
         self.banned = {int(t) for t, b in (cfg.logit_bias or {}).items() if b <= -100}
         # the drafters' rows get the bias too, so they propose what the biased target could choose
         self.sp_draft = sp if self.bias is None else dataclasses.replace(sp, bias=self.bias)
@@ -269,6 +271,14 @@ class Generation:
     def end(self, reason: str) -> None:
         if self.finish is None:
             self.finish = reason
+
+    def guarded(self, fn, *args, **kw) -> None:
+        """Run one of this generation's steps (start, verified): the request's own error (its bias leaves no token
+        its grammar allows) ends this request only (fail), after the tokens emitted before it."""
+        try:
+            fn(*args, **kw)
+        except LocalspecError as exc:
+            self.fail(exc)
 
     def fail(self, exc: Exception) -> None:
         """The request's error ends it (a batch: the others go on); close() hands it to the sink."""
