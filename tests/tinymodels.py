@@ -16,6 +16,35 @@ CHATML = (
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
+# A Qwen2.5-style template, cut down to what tools need (the real one prints the same markup).
+TOOL_TEMPLATE = """{%- if tools %}<|im_start|>system
+{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are helpful.{% endif %}
+
+# Tools
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == 'system' and tools %}{# printed above #}
+{%- elif message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant
+{% if message.content %}{{ message.content }}
+{% endif %}
+{%- for tc in message.tool_calls %}{% set tc = tc.function %}<tool_call>
+{"name": "{{ tc.name }}", "arguments": {{ tc.arguments | tojson }}}
+</tool_call>
+{% endfor %}<|im_end|>
+{% elif message.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
 WORDS = ["▁the", "▁a", "▁and", "▁of", "▁to", "▁is", "▁in", "▁it", "▁def", "▁return", "▁x", "▁y", "▁=", "▁+",
          "(", ")", ":", "e", "t", "a", "o", "n", "s", "▁", "in", "er", "on", "at"]
 OTHER_WORDS = ["▁le", "▁la", "▁et", "▁de", "▁un", "▁une", "▁est", "▁dans", "▁pour", "▁pas", "▁que", "▁qui",
