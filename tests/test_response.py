@@ -43,3 +43,39 @@ def test_an_error_comes_after_the_pieces_before_it():
         for p in r:
             got.append(p.text)
     assert got == ["a"] and r.text == "a" and r.done
+
+
+@pytest.fixture(scope="module")
+def byte_first(tmp_path_factory):
+    """A model whose first answer token to "the cat" is the first byte of a two-byte character."""
+    from localspec.core.engine import Engine
+    from tinymodels import write_model
+
+    e = Engine.load(write_model(tmp_path_factory.mktemp("bytes") / "m.gguf", 3), None, n_ctx=256)
+    yield e
+    e.close()
+
+
+def test_so_far_holds_a_character_cut_short_that_text_does_not_release(byte_first):
+    """A run that did not stream keeps so_far when it is cut off (a dead RPC worker): the first token alone was
+    an empty `text`, so the answer kept was empty although a token had been counted."""
+    cfg = GenConfig(method="none", max_tokens=5)
+    resp = byte_first.respond(byte_first.raw_prompt("the cat"), cfg)
+    first = next(iter(resp))
+    assert first.text == "" and resp.text == "" and resp.stats.completion_tokens == 1
+    assert resp.so_far == "\ufffd"  # as the Finished would end it
+    whole = resp.result().text
+    assert resp.so_far == whole and not whole.startswith("\ufffd")  # the next byte completed the character
+
+
+def test_so_far_of_a_pushed_response(byte_first):
+    from localspec.core.batch import BatchEngine
+
+    b = BatchEngine(byte_first, 2)
+    try:
+        resp = b.submit(byte_first.raw_prompt("the cat"), GenConfig(method="none", max_tokens=5))
+        while not resp.stats or resp.stats.completion_tokens < 1:
+            b.step()
+        assert resp.text == "" and resp.so_far == "\ufffd"
+    finally:
+        b.close()

@@ -571,7 +571,8 @@ class BatchEngine:
                cancel: threading.Event | None = None) -> Response:
         """add() with a Response handle as the request's sink: step() feeds it (listen() passes events on)."""
         joined: list[_Run] = []
-        resp = Response(stats=lambda: joined[0].stats if joined else None)
+        resp = Response(stats=lambda: joined[0].stats if joined else None,
+                        held=lambda: joined[0].text.held() if joined else "")
         joined.append(self.runs[self.add(prompt_tokens, cfg, cancel, sink=resp.push)])
         return resp
 

@@ -490,7 +490,8 @@ class Engine:
     def respond(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None,
                 cancel: threading.Event | None = None) -> Response:
         """The generation as a Response handle: iterate it for the Pieces (that runs the decode), then .finished."""
-        return Response(self.generate(prompt_tokens, cfg, cancel), stats=lambda: self.last_stats)
+        return Response(self.generate(prompt_tokens, cfg, cancel), stats=lambda: self.last_stats,
+                        held=lambda: self._assembler.held() if self._assembler is not None else "")
 
     def complete(self, prompt_tokens: Sequence[int], cfg: GenConfig | None = None) -> Finished:
         return self.respond(prompt_tokens, cfg).result()

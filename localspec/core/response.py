@@ -18,11 +18,13 @@ from localspec.core.generation import Finished, Piece
 
 
 class Response:
-    def __init__(self, source: Iterator | None = None, stats: Callable | None = None) -> None:
+    def __init__(self, source: Iterator | None = None, stats: Callable | None = None,
+                 held: Callable[[], str] | None = None) -> None:
         """source: the generator that decodes (pulled); None: a scheduler pushes. stats: where the request's live
-        Stats are read while it runs."""
+        Stats are read while it runs; held: where the text it holds back is read (see so_far)."""
         self._source = source
         self._live = stats
+        self._held = held
         self._queue: deque = deque()
         self._listeners: list[Callable] = []
         self._parts: list[str] = []
@@ -58,6 +60,14 @@ class Response:
     def text(self) -> str:
         """The answer released so far (all of it once finished)."""
         return self.finished.text if self.finished is not None else "".join(self._parts)
+
+    @property
+    def so_far(self) -> str:
+        """Every token's text so far, with what is held back (a possible stop string's start, a character cut
+        short): the answer a front end that did not stream keeps when the generation ends early."""
+        if self.finished is not None:
+            return self.finished.text
+        return self.text + (self._held() if self._held is not None else "")
 
     @property
     def done(self) -> bool:

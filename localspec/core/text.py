@@ -38,6 +38,12 @@ class TextAssembler:
         self.text += out
         return out, False
 
+    def held(self) -> str:
+        """The text held back, without releasing it: a possible stop string's start, and a character cut short
+        (as U+FFFD, the way flush() would end it)."""
+        buffered, _ = self._dec.getstate()
+        return self._pending + (buffered.decode("utf-8", "replace") if buffered else "")
+
     def flush(self) -> str:
         out = self._pending + self._dec.decode(b"", final=True)
         self._pending = ""
