@@ -7,6 +7,7 @@ import csv
 import json
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -229,11 +230,28 @@ def batch_deviation(engine: Engine, k_requested: int, k_effective: int) -> float
     return max((v for b, v in dev.items() if b <= k_effective + 1), default=0.0)
 
 
+@contextmanager
+def lone_request(engine: Engine):
+    """The engine's suffix drafter drafts from this request alone: a private scope, never read from or saved to the
+    cache dir. Each bench run is measured as a first request would be, not drafted from an earlier session's, an
+    earlier configuration's or an earlier repeat's answer to the same prompt."""
+    from localspec.drafters.suffix import private_scope, release_scope
+
+    saved, scope = engine.suffix_scope, private_scope()
+    engine.suffix_scope = scope
+    try:
+        yield
+    finally:
+        engine.suffix_scope = saved
+        release_scope(scope)
+
+
 def _one(engine, tokens, cfg: BenchConfig, max_tokens, temperature, seed, exactness="auto") -> tuple:
     gc = GenConfig(method=cfg.method, k=cfg.k, max_tokens=max_tokens, exactness=exactness,
                    sampling=SamplingParams(temperature=temperature, seed=seed),
                    **({"p_min": cfg.p_min} if cfg.p_min is not None else {}))
-    fin = engine.complete(tokens, gc)
+    with lone_request(engine):
+        fin = engine.complete(tokens, gc)
     return fin.tokens, fin.stats
 
 

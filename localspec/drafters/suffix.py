@@ -416,11 +416,27 @@ class SuffixDrafter(Drafter):
 
 _CORPORA: dict[tuple[str, str], SuffixCorpus] = {}  # (vocabulary, scope) -> this process's corpus
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loaded model -> its vocabulary's
+_PRIVATE: set[str] = set()  # scopes whose corpus starts empty and is never read from or saved to the cache dir
+
+
+def private_scope() -> str:
+    """A new scope of its own: its corpus starts empty, is never persisted and is shared with no other scope
+    (`bench` measures each run as a lone request on a cold cache, whatever earlier runs answered)."""
+    scope = f"private-{uuid.uuid4().hex}"
+    _PRIVATE.add(scope)
+    return scope
+
+
+def release_scope(scope: str) -> None:
+    """Forget a private scope and its corpora (a drafter still holding one keeps it until it is replaced)."""
+    _PRIVATE.discard(scope)
+    for key in [key for key in _CORPORA if key[1] == scope]:
+        del _CORPORA[key]
 
 
 def corpus_for(model, scope: str = "") -> SuffixCorpus:
     """This process's corpus for `model`'s vocabulary and `scope` (every engine of the process shares it), read from
-    the cache dir on first use unless the setting suffix_cache is off."""
+    the cache dir on first use unless the setting suffix_cache is off or the scope is private."""
     from localspec.store import suffixcache as SC
 
     fp = _FINGERPRINTS.get(model)
@@ -429,7 +445,7 @@ def corpus_for(model, scope: str = "") -> SuffixCorpus:
     corpus = _CORPORA.get((fp, scope))
     if corpus is None:
         persist, limit = SC.configured()
-        store = SC.SuffixFile(fp, scope, limit) if persist and limit > 0 else None
+        store = SC.SuffixFile(fp, scope, limit) if persist and limit > 0 and scope not in _PRIVATE else None
         docs = [Doc(i, t, toks) for i, t, toks in store.load()] if store is not None else []
         corpus = _CORPORA[(fp, scope)] = SuffixCorpus(limit, docs, store)
     return corpus
