@@ -1,4 +1,5 @@
-"""Session fixtures: tiny fabricated GGUF models (target, low-acceptance draft, other-vocab model)."""
+"""Shared fixtures: tiny fabricated GGUF models (target, low-acceptance draft, other-vocab model), isolated
+configuration, and a loaded session with a server on it for the server tests."""
 
 from __future__ import annotations
 
@@ -89,6 +90,52 @@ def smollm_path() -> Path:
     if not p.is_file():
         pytest.skip(f"real model absent: {p} (run ../shared/models/fetch-real-models.sh)")
     return p
+
+
+@pytest.fixture(scope="session")
+def long_model(tmp_path_factory) -> Path:
+    """The tiny target with a 64k training context: room for a generation a test stops midway."""
+    return write_model(tmp_path_factory.mktemp("long") / "long.gguf", 3, n_ctx_train=65536)
+
+
+@pytest.fixture
+def clean_config(tmp_path, monkeypatch):
+    """A config dir per test, the hub offline, no LOCALSPEC_* setting from the caller's environment."""
+    from helpers import clean_env
+
+    clean_env(monkeypatch, tmp_path / "cfg")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def isolated_config(clean_config, tmp_path, monkeypatch):
+    """clean_config, and a cache dir per test (exactness probes, locks)."""
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def session(target_path, draft_path, tmp_path_factory):
+    """A loaded Session on the tiny target and draft (draft, k 3), per test module: the server tests serve it."""
+    from helpers import CTX, clean_env
+    from localspec.session import Session
+
+    with pytest.MonkeyPatch.context() as mp:
+        clean_env(mp, tmp_path_factory.mktemp("cfg"))
+        sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 3,
+                        "ctx_size": CTX}, quiet=True)
+        sess.load()
+        yield sess
+        sess.close()
+
+
+@pytest.fixture(scope="module")
+def open_api(session):
+    """A server on `session` with the default configuration: loopback, no key, no web origins."""
+    from helpers import serving
+    from localspec.server.config import ServerConfig
+
+    with serving(session, ServerConfig(queue_size=2)) as s:
+        yield s
 
 
 @pytest.fixture

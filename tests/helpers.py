@@ -1,0 +1,261 @@
+"""Helpers shared by the test modules (fixtures live in conftest.py): the CLI as a subprocess and its one-line
+errors, `localspec worker` and `localspec serve` processes, an in-process server on a free port, and model files
+whose strings hold terminal escapes."""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import openai
+import uvicorn
+
+# LOCALSPEC_* variables a test keeps from the environment it runs in: the suite's cache and the real models' folder
+KEPT_ENV = ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS")
+
+
+# ------------------------------------------------------------------ the CLI
+def environ(changes=None) -> dict:
+    """This process's environment with `changes` applied (a value None removes that variable)."""
+    e = dict(os.environ)
+    for k, v in (changes or {}).items():
+        if v is None:
+            e.pop(k, None)
+        else:
+            e[k] = v
+    return e
+
+
+def cli(args, env=None, stdin=b"", timeout=120) -> subprocess.CompletedProcess:
+    """`python -m localspec ARGS` as a subprocess, stdout and stderr captured as bytes; `env`: changes to this
+    process's environment for it (see environ)."""
+    return subprocess.run([sys.executable, "-m", "localspec", *args], input=stdin, capture_output=True,
+                          timeout=timeout, env=environ(env))
+
+
+def one_error_line(r, code: int | None = 2) -> str:
+    """The product's rule for bad input: exit `code` (None: any non-zero) and stderr one `error: ` line, no
+    traceback, no debugger backtrace. Returns that line."""
+    err = r.stderr.decode()
+    if code is None:
+        assert r.returncode != 0, (r.returncode, err)
+    else:
+        assert r.returncode == code, (r.returncode, err)
+    lines = [l for l in err.splitlines() if l.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "gdb" not in err
+    return lines[0]
+
+
+def clean_env(mp, cfg_dir) -> None:
+    """With MonkeyPatch `mp`: no LOCALSPEC_* setting from the caller's environment (KEPT_ENV aside), the config in
+    `cfg_dir`."""
+    for k in list(os.environ):
+        if k.startswith("LOCALSPEC_") and k not in KEPT_ENV:
+            mp.delenv(k)
+    mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
+
+
+def start_long(model, *extra) -> subprocess.Popen:
+    """`run` on `model` (see the long_model fixture) asked for 8000 tokens: a generation a test stops midway."""
+    return subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(model), "-c", "8192", "-n", "8000",
+                             "--method", "lookup", "--raw", *extra, "the cat"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+# ------------------------------------------------------------------ RPC workers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """A `localspec worker` subprocess; its stderr is collected in .lines."""
+
+    def __init__(self, *args, port=None):
+        self.port = port or free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "localspec", "worker", "--port", str(self.port), *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[str] = []
+        self.out: list[str] = []
+        self._ready = threading.Event()
+        self._readers = [threading.Thread(target=self._read, args=(self.proc.stderr, self.lines, True), daemon=True),
+                         threading.Thread(target=self._read, args=(self.proc.stdout, self.out, False), daemon=True)]
+        for t in self._readers:
+            t.start()
+        if not self._ready.wait(60) or not any(l.startswith("worker listening on") for l in self.lines):
+            self.kill()
+            raise RuntimeError("worker did not start: " + "".join(self.lines))
+
+    def _read(self, stream, into, signals):
+        for line in stream:
+            into.append(line)
+            if signals and line.startswith("worker listening on"):
+                self._ready.set()
+        if signals:
+            self._ready.set()  # it ended: let the constructor report it
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def interrupt(self, timeout=15) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        rc = self.proc.wait(timeout)
+        for t in self._readers:  # everything it said, up to its end
+            t.join(timeout)
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+# ------------------------------------------------------------------ `localspec serve`
+PROMPT = "the cat and the dog"
+LONG = 100_000  # more than the context holds: a generation that runs until it is cancelled
+CTX = 8192
+KEY = "k3y"  # the API key of the servers that need one
+
+
+def server_env(cfg_dir) -> dict:
+    """Environment changes (see environ) for a `localspec` subprocess beside a test server: no LOCALSPEC_* setting
+    from the caller's environment (KEPT_ENV aside), the config in `cfg_dir`, the hub offline."""
+    gone = {k: None for k in os.environ if k.startswith("LOCALSPEC_") and k not in KEPT_ENV}
+    return gone | {"LOCALSPEC_CONFIG_DIR": str(cfg_dir), "HF_HUB_OFFLINE": "1"}
+
+
+class Served:
+    """A running server: its URL, app and session, an `openai` client on it and raw HTTP requests."""
+
+    def __init__(self, url, app, session, env):
+        self.url, self.app, self.session, self.env = url, app, session, env
+        self.host, self.port = url.split("//")[1].split("/")[0].split(":")
+
+    def client(self, **kw):
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), **kw)
+
+    def raw(self, method, path, body=None, headers=None):
+        """(status, headers, parsed JSON) for a hand-made request (malformed bodies the client would not send)."""
+        headers = dict(headers or {})
+        if method == "POST" and not any(k.lower() == "content-type" for k in headers):
+            headers["Content-Type"] = "application/json"  # what every JSON client sends (other types: 415)
+        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            r = conn.getresponse()
+            data = r.read()
+            try:
+                parsed = json.loads(data) if data else None
+            except ValueError:  # a CORS preflight's "OK"
+                parsed = data.decode(errors="replace")
+            return r.status, dict(r.getheaders()), parsed
+        finally:
+            conn.close()
+
+    def health(self):
+        return self.raw("GET", "/health")[2]
+
+    def wait_for(self, pred, what, timeout=60.0):
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            h = self.health()
+            if pred(h):
+                return h
+            time.sleep(0.02)
+        raise AssertionError(f"server never reached: {what}; /health says {self.health()}")
+
+
+def post(s: Served, path, body, **headers):
+    """A POST of `body` (a dict is sent as JSON) with `headers`: (status, headers, parsed JSON)."""
+    return s.raw("POST", path, body if isinstance(body, (bytes, str)) else json.dumps(body), headers)
+
+
+@contextlib.contextmanager
+def running(app):
+    """A real uvicorn server for `app` on a free loopback port, in a thread; yields its base URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    th.start()
+    end = time.monotonic() + 30
+    while not server.started and time.monotonic() < end:
+        time.sleep(0.01)
+    assert server.started
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        th.join(30)
+
+
+@contextlib.contextmanager
+def serving(session, config):
+    """The server app for a loaded `session` with ServerConfig `config`, running: yields a Served."""
+    from localspec.server.app import create_app
+
+    app = create_app(session, config, log=lambda m: None)
+    try:
+        with running(app) as url:
+            yield Served(url, app, session, None)
+    finally:
+        assert app.state.worker.stop(timeout=30)
+
+
+def start_serve(args, env):
+    """`localspec serve ARGS` as a subprocess with environment changes `env` (see environ), once it prints its
+    ready line: (process, base URL, the stderr lines so far)."""
+    p = subprocess.Popen([sys.executable, "-m", "localspec", "serve", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=environ(env))
+    lines = []
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        line = p.stderr.readline().decode()
+        if not line:
+            break
+        lines.append(line)
+        m = re.match(r"localspec serve: (http://\S+)/v1 \(model (\S+)\)$", line.strip())
+        if m:
+            return p, m.group(1), lines
+    p.kill()
+    raise AssertionError("no ready line: " + "".join(lines) + p.stderr.read().decode())
+
+
+# ------------------------------------------------------------------ strings from model files on a terminal
+EVIL = "\x1b]0;pwned\x07\x1b[2J"  # sets a terminal's title, then clears its screen
+
+
+def evil_model(path: Path, **kw) -> Path:
+    """A tiny model whose general.name holds terminal escapes (OSC title, BEL, CSI clear screen)."""
+    import tinymodels
+
+    orig = tinymodels.llama_kv
+
+    def named(wr, name, *a):
+        orig(wr, f"tiny{EVIL}", *a)
+
+    tinymodels.llama_kv = named
+    try:
+        return tinymodels.write_model(path, 3, **kw)
+    finally:
+        tinymodels.llama_kv = orig
+
+
+def no_controls(text: str) -> None:
+    import unicodedata
+
+    bad = sorted({hex(ord(c)) for c in text if unicodedata.category(c) == "Cc" and c not in "\n"})
+    assert not bad, (bad, text)
