@@ -142,6 +142,79 @@ def test_each_bench_run_drafts_as_a_lone_request_and_leaves_the_suffix_cache_alo
     assert SC.path_for(fp).read_bytes() == before
 
 
+def test_steps_recorded_with_their_source_give_each_sources_drafts_and_acceptance():
+    from localspec.core.stats import Stats
+
+    st = Stats()
+    for n, a, src in ((4, 4, "suffix"), (4, 1, "lookup"), (0, 0, ""), (3, 3, "suffix")):
+        st.record_step(n, a, src)
+        st.method_used[src or "none"] += 1
+    assert st.by_source() == {"suffix": (2, 7, 7), "lookup": (1, 4, 1)}
+    one = Stats()
+    one.record_step(5, 2)
+    one.method_used["draft"] += 1
+    assert one.by_source() == {"draft": (1, 5, 2)}  # one source drafted every step: all of it is its own
+    two = Stats()
+    for src in ("draft", "lookup"):
+        two.record_step(5, 2)
+        two.method_used[src] += 1
+    assert two.by_source() == {"draft": (1, None, None), "lookup": (1, None, None)}  # no split recorded: unknown
+
+
+def test_bench_summary_adds_up_each_drafting_source():
+    a = rr("auto k<=4", "auto", 4, "code", 12.0, 1.2, True, 12, 8)
+    a.sources = {"suffix": {"steps": 2, "drafted": 8, "accepted": 7}, "lookup": {"steps": 1, "drafted": 4,
+                                                                                "accepted": 1}}
+    b = rr("auto k<=4", "auto", 4, "chat", 12.0, 1.2, True, 8, 2)
+    b.sources = {"lookup": {"steps": 2, "drafted": 8, "accepted": 2}, "draft": {"steps": 1, "drafted": None,
+                                                                               "accepted": None}}
+    by = {(r["config"], r["category"]): r for r in B.summarize([a, b])}
+    assert by[("auto k<=4", "all")]["sources"] == {
+        "suffix": {"steps": 2, "drafted": 8, "accepted": 7, "acceptance_rate": 7 / 8},
+        "lookup": {"steps": 3, "drafted": 12, "accepted": 3, "acceptance_rate": 0.25},
+        "draft": {"steps": 1, "drafted": None, "accepted": None, "acceptance_rate": None}}
+    assert set(by[("auto k<=4", "code")]["sources"]) == {"suffix", "lookup"}
+    import io
+
+    from rich.console import Console
+
+    buf = io.StringIO()
+    print_report(B.summarize([rr("none", "none", 0, "code", 10.0), a, b]), Console(file=buf, width=100))
+    out = buf.getvalue()
+    assert "drafting sources" in out
+    line = next(x for x in out.splitlines() if "suffix" in x and "auto k<=4" in x)
+    assert line.split()[-4:] == ["2", "8", "7", "88%"]
+
+
+def test_bench_measures_the_suffix_method_and_shows_which_source_drafted(target_path, tmp_path, monkeypatch, capsys):
+    import io
+
+    from localspec.cli.app import main
+
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    prompts, out_j, out_c = tmp_path / "p.jsonl", tmp_path / "b.json", tmp_path / "b.csv"
+    prompts.write_text(json.dumps({"id": "a", "category": "code", "prompt": "def f(x): return x"}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "-m", str(target_path), "--prompts", str(prompts), "--methods", "none,suffix,lookup", "--k",
+              "4", "-n", "150", "--exactness", "lossless", "--json", str(out_j), "--csv", str(out_c)])
+    assert exc.value.code == 0
+    by = {s["config"]: s for s in json.loads(out_j.read_text())["summary"] if s["category"] == "all"}
+    assert set(by) == {"none", "suffix k=4", "lookup k=4"} and by["suffix k=4"]["exact"] is True
+    for method in ("suffix", "lookup"):
+        row = by[f"{method} k=4"]
+        src = row["sources"][method]
+        assert set(row["sources"]) == {method} and src["drafted"] == src["accepted"] > 0
+        assert src["acceptance_rate"] == row["acceptance_rate"] == 1.0 and src["steps"] > 0
+    assert by["none"]["sources"] == {}
+    rows = list(csv.DictReader(out_c.open()))
+    assert json.loads(next(r for r in rows if r["method"] == "suffix")["sources"])["suffix"]["drafted"] > 0
+    out = capsys.readouterr().out
+    assert "suffix k=4" in out and "drafting sources" in out
+
+
 def test_bench_cli_json_csv(target_path, tmp_path):
     env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(tmp_path / "cfg"), "HF_HUB_OFFLINE": "1"}
     out_j, out_c = tmp_path / "b.json", tmp_path / "b.csv"

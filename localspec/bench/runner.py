@@ -21,6 +21,8 @@ from localspec.errors import UsageError
 from localspec.sample.sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
+METHODS = ("none", "draft", "lookup", "suffix", "auto")  # what --methods compares
+FIXED = ("draft", "lookup", "suffix")  # the methods with a fixed k (auto is compared with the best of them)
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class RunResult:
     drafting_steps: int = 0
     rollback: str = "kv"  # how rejected drafts were undone (kv | rs | checkpoint | none)
     replayed_tokens: int = 0  # tokens decoded again after a checkpoint restore (recurrent/hybrid targets)
+    # per drafting source (lookup, suffix, draft, a head): {"steps", "drafted", "accepted"}; drafted and accepted
+    # are None where the run's steps do not say which source drafted them (Stats.by_source)
+    sources: dict = field(default_factory=dict)
     tokens: list[int] = field(default_factory=list, repr=False)
 
 
@@ -141,7 +146,7 @@ def parse_configs(methods: str, ks: str, p_mins: str | None = None, has_draft: b
         raise UsageError(f"--p-min must be comma-separated numbers, got {p_mins!r}") from None
     out = []
     for m in [x.strip() for x in methods.split(",") if x.strip()]:
-        if m not in ("none", "draft", "lookup", "auto"):
+        if m not in METHODS:
             raise UsageError(f"unknown method {m!r} in --methods")
         if m == "none":
             continue  # the baseline always runs
@@ -272,7 +277,9 @@ def run_bench(
         f = bench_figures(st)  # the one report of a generation (core/report.py): same names and values as run --json
         latency, k_eff = f.pop("elapsed_s"), f.pop("k_in_use")
         rr = RunResult(prompt_id=p["id"], category=p["category"], config=cfg.label, method=cfg.method, k=cfg.k,
-                       repeat=r, latency_s=latency, k_effective=k_eff, tokens=toks, **f)
+                       repeat=r, latency_s=latency, k_effective=k_eff, tokens=toks, **f,
+                       sources={m: {"steps": n, "drafted": d, "accepted": a}
+                                for m, (n, d, a) in st.by_source().items()})
         if base is not None:
             rr.speedup = rr.tokens_per_second / base.tokens_per_second if base.tokens_per_second else None
             if temperature == 0.0:
@@ -350,7 +357,8 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
             "replayed_per_100": 100 * sum(r.replayed_tokens for r in rs) / max(sum(r.completion_tokens for r in rs), 1),
             "oracle": None, "oracle_speedup": None, "auto_over_oracle": None,
         }
-        if calib and row["method"] in ("draft", "lookup", "auto") and drafted:
+        row["sources"] = sources_of(rs)
+        if calib and row["method"] in (*FIXED, "auto") and drafted:
             k = row["k_effective"] or row["k"]
             if row["method"] == "auto":  # the draft cost weighted by how often auto drafted with the draft model
                 steps = sum(r.drafting_steps for r in rs)
@@ -374,7 +382,7 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
     for row in rows:  # auto against the best fixed configuration measured in the same run (plain counts: 1.0x)
         if row["method"] != "auto":
             continue
-        fixed = [r for r in rows if r["category"] == row["category"] and r["method"] in ("draft", "lookup")
+        fixed = [r for r in rows if r["category"] == row["category"] and r["method"] in FIXED
                  and r["speedup_median"] is not None]
         best = max(fixed, key=lambda r: r["speedup_median"], default=None)
         if best is not None and best["speedup_median"] > 1.0:
@@ -384,6 +392,21 @@ def summarize(results: list[RunResult], calib: dict | None = None) -> list[dict]
         if row["speedup_median"] is not None:
             row["auto_over_oracle"] = row["speedup_median"] / row["oracle_speedup"]
     return rows
+
+
+def sources_of(results: list[RunResult]) -> dict:
+    """Steps, drafted and accepted tokens and acceptance per drafting source over `results` (drafted and accepted
+    None where a run did not record its split among sources)."""
+    out: dict[str, dict] = {}
+    for r in results:
+        for m, c in r.sources.items():
+            s = out.setdefault(m, {"steps": 0, "drafted": 0, "accepted": 0})
+            s["steps"] += c["steps"]
+            for key in ("drafted", "accepted"):
+                s[key] = None if s[key] is None or c[key] is None else s[key] + c[key]
+    for s in out.values():
+        s["acceptance_rate"] = s["accepted"] / s["drafted"] if s["drafted"] else None
+    return out
 
 
 def write_json(path: Path, rows, results, calib, meta) -> None:
@@ -398,7 +421,8 @@ def write_csv(path: Path, results) -> None:
         w = csv.DictWriter(fh, fieldnames=fields)
         w.writeheader()
         for r in results:
-            w.writerow({k: v for k, v in asdict(r).items() if k != "tokens"})
+            w.writerow({k: json.dumps(v) if isinstance(v, dict) else v for k, v in asdict(r).items()
+                        if k != "tokens"})
 
 
 def plot_png(path: Path, rows) -> None:

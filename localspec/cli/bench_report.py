@@ -1,5 +1,5 @@
-"""The `bench` report on the terminal: the table (rich on a terminal, plain columns into a pipe), a bar chart of
-the speedups, and each divergence with its verdict."""
+"""The `bench` report on the terminal: the table (rich on a terminal, plain columns into a pipe), which source
+drafted under each configuration, a bar chart of the speedups, and each divergence with its verdict."""
 
 from __future__ import annotations
 
@@ -51,6 +51,12 @@ def print_report(rows: list[dict], console=None) -> None:
                     [[r["category"], f(r["speedup_median"], ".2f"), r["oracle"], f(r["oracle_speedup"], ".2f"),
                       f(r["auto_over_oracle"], ".2f")] for r in oracle], file=console.file,
                     right=["auto", "its speedup", "auto / best"], title="auto vs the best fixed setting (oracle)")
+    used = [(r["config"], m, c) for r in rows if r["category"] == "all" for m, c in r.get("sources", {}).items()]
+    if used:  # which source drafted under each configuration, over every prompt
+        print_table(["config", "source", "steps", "drafted", "accepted", "accept"],
+                    [[cfg, m, str(c["steps"]), f(c["drafted"], "d"), f(c["accepted"], "d"),
+                      f(c["acceptance_rate"], ".0%")] for cfg, m, c in used], file=console.file,
+                    right=["steps", "drafted", "accepted", "accept"], title="drafting sources (all categories)")
     hybrid = [r for r in rows if r.get("rollback") not in (None, "", "kv") and r["method"] != "none"]
     for r in hybrid:
         console.print(f"rollback {r['config']} {r['category']}: {r['rollback']}, "

@@ -27,6 +27,8 @@ class Stats:
     elapsed_s: float = 0.0
     k_used: Counter = field(default_factory=Counter)  # k chosen per step (adaptive controller)
     method_used: Counter = field(default_factory=Counter)  # drafter used per step
+    drafted_by: Counter = field(default_factory=Counter)  # tokens drafted per drafting source (a drafter's name)
+    accepted_by: Counter = field(default_factory=Counter)  # of those, accepted by the target
     k_cap: int = 0  # the k in effect: under bit exactness, the largest whose verify batch is bit-exact (exactness.py)
     exactness: str = "bit"  # the level in use: bit | lossless (see GenConfig.exactness)
     exactness_reason: str = ""  # why, in plain words
@@ -62,10 +64,14 @@ class Stats:
             self.draft_restores += draft_after["restores"] - draft_before["restores"]
             self.draft_replayed_tokens += draft_after["replayed_tokens"] - draft_before["replayed_tokens"]
 
-    def record_step(self, n_drafted: int, n_accepted: int) -> None:
+    def record_step(self, n_drafted: int, n_accepted: int, source: str = "") -> None:
+        """One target pass that verified n_drafted tokens from `source` (a drafter's name) and accepted n_accepted."""
         self.target_passes += 1
         if n_drafted:
             self.drafting_steps += 1
+            if source:
+                self.drafted_by[source] += n_drafted
+                self.accepted_by[source] += n_accepted
         self.drafted += n_drafted
         self.accepted += n_accepted
         while len(self.drafted_at) < n_drafted:
@@ -75,6 +81,17 @@ class Stats:
             self.drafted_at[i] += 1
             if i < n_accepted:
                 self.accepted_at[i] += 1
+
+    def by_source(self) -> dict[str, tuple[int, int | None, int | None]]:
+        """(drafting steps, tokens drafted, tokens accepted) per source that drafted. Steps recorded without their
+        source count whole where one source drafted them all; where several did, their split is unknown (None)."""
+        steps = {m: n for m, n in self.method_used.items() if m != "none" and n}
+        if set(self.drafted_by) == set(steps) or not steps:
+            return {m: (n, self.drafted_by[m], self.accepted_by[m]) for m, n in steps.items()}
+        if len(steps) == 1 and not self.drafted_by:
+            (m, n), = steps.items()
+            return {m: (n, self.drafted, self.accepted)}
+        return {m: (n, None, None) for m, n in steps.items()}
 
     @property
     def acceptance_rate(self) -> float:
