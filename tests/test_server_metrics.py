@@ -11,7 +11,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
-from test_server_hardening import KEY, open_api, serving, session  # noqa: E402,F401  (fixtures)
+from helpers import KEY, serving  # noqa: E402
 
 
 def scrape(s, **headers) -> dict:
@@ -139,3 +139,47 @@ def test_the_serve_command_has_no_metrics(monkeypatch):
     r = CliRunner().invoke(app, ["serve", "--no-metrics"])
     assert r.exit_code == 0, r.output
     assert seen["no_metrics"] is True
+
+
+def test_tokens_drafted_and_accepted_are_counted_per_drafter(open_api):
+    """Per request, each drafter's steps, drafted and accepted tokens land under its `drafter` label: the draft
+    model's under the default method, the suffix cache's when a repeated prompt is drafted from it."""
+    c = open_api.client(max_retries=0)
+    by = {name: SPEC + f"num_{what}_by_drafter_total" for name, what in
+          (("steps", "drafts"), ("drafted", "draft_tokens"), ("accepted", "accepted_tokens"))}
+    for method, prompt in (("draft", "count to ten"), ("suffix", "def f(x): return x")):
+        extra = {"localspec": {"method": method, "k": 3, "exactness": "lossless"}}
+        if method == "suffix":  # the first answer joins the cache the second is drafted from
+            c.completions.create(model="x", prompt=prompt, max_tokens=60, extra_body=extra)
+        before = scrape(open_api)
+        r = c.completions.create(model="x", prompt=prompt, max_tokens=60, extra_body=extra)
+        ls = r.model_extra["localspec"]
+        after = scrape(open_api)
+        d = lambda name, **lb: v(after, name, **lb) - v(before, name, **lb)  # noqa: E731
+        assert ls["drafted"] > 0 and set(ls["steps_by_method"]) <= {method, "none"}, ls
+        assert d(by["steps"], drafter=method) == ls["steps_by_method"][method]
+        assert d(by["drafted"], drafter=method) == ls["drafted"]
+        assert d(by["accepted"], drafter=method) == ls["accepted"]
+        others = {k[1] for k in after if k[0] in by.values()} - {frozenset({("drafter", method)})}
+        assert all(d(n, **dict(lb)) == 0 for n in by.values() for lb in others)
+
+
+def test_a_request_drafted_from_several_sources_counts_each_ones_share():
+    from localspec.core.engine import Finished
+    from localspec.core.stats import Stats
+    from localspec.server.metrics import Metrics
+
+    st = Stats()
+    for n, a, src in ((4, 4, "suffix"), (3, 1, "lookup"), (0, 0, ""), (4, 2, "suffix")):
+        st.record_step(n, a, src)
+        st.method_used[src or "none"] += 1
+    m = Metrics("tiny")
+    m.request_done(Finished("", [], "stop", st))
+    got = {(s.name, s.labels["drafter"]): s.value for f in parser.text_string_to_metric_families(m.render().decode())
+           for s in f.samples if "drafter" in s.labels and s.name.endswith("_total")}
+    assert got == {(SPEC + "num_drafts_by_drafter_total", "suffix"): 2,
+                   (SPEC + "num_drafts_by_drafter_total", "lookup"): 1,
+                   (SPEC + "num_draft_tokens_by_drafter_total", "suffix"): 8,
+                   (SPEC + "num_draft_tokens_by_drafter_total", "lookup"): 3,
+                   (SPEC + "num_accepted_tokens_by_drafter_total", "suffix"): 6,
+                   (SPEC + "num_accepted_tokens_by_drafter_total", "lookup"): 1}

@@ -3,7 +3,9 @@
 Names follow llama-server's and vLLM's where they have one, under a `localspec:` prefix, so dashboards built for
 them read these: `localspec:spec_decode_num_drafts_total`, `..._num_draft_tokens_total`,
 `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (counters get `_total` in the
-exposition, as vLLM's do), request outcomes, the queue, time to first token and inter-token latency. Each app has its
+exposition, as vLLM's do), the drafts, drafted and accepted tokens of each drafting source
+(`..._num_drafts_by_drafter_total{drafter}`, `..._num_draft_tokens_by_drafter_total{drafter}`,
+`..._num_accepted_tokens_by_drafter_total{drafter}`; drafter: lookup, suffix, draft or a head's kind), request outcomes, the queue, time to first token and inter-token latency. Each app has its
 own registry (several apps may live in one process: the tests).
 """
 
@@ -60,6 +62,14 @@ class Metrics:
         self.drafted_per_pos = Counter(P + "spec_decode_num_draft_tokens_per_pos",
                                        "Tokens drafted, by position in the draft (0 = first).", ["position"],
                                        registry=r)
+        # the same figures per drafting source (lookup, suffix, draft, a head): which one drafted and what it got
+        self.drafts_by = Counter(P + "spec_decode_num_drafts_by_drafter",
+                                 "Target passes that verified drafted tokens, by the drafter that drafted them.",
+                                 ["drafter"], registry=r)
+        self.draft_tokens_by = Counter(P + "spec_decode_num_draft_tokens_by_drafter", "Tokens drafted, by drafter.",
+                                       ["drafter"], registry=r)
+        self.accepted_tokens_by = Counter(P + "spec_decode_num_accepted_tokens_by_drafter",
+                                          "Drafted tokens accepted, by drafter.", ["drafter"], registry=r)
         info = Gauge(P + "model_info", "The served model (value 1).", ["model"], registry=r)
         info.labels(model=model).set(1)
 
@@ -85,6 +95,11 @@ class Metrics:
             self.drafted_per_pos.labels(position=str(pos)).inc(n)
         for pos, n in enumerate(st.accepted_at):
             self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        for name, (steps, drafted, accepted) in st.by_source().items():
+            self.drafts_by.labels(drafter=name).inc(steps)
+            if drafted is not None:  # None: the request's split among its drafters was not recorded
+                self.draft_tokens_by.labels(drafter=name).inc(drafted)
+                self.accepted_tokens_by.labels(drafter=name).inc(accepted)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
