@@ -544,6 +544,7 @@ class ScriptedEngine:
         self.target = SimpleNamespace(name="scripted-target.gguf", n_gpu_layers=0, memory_bytes=lambda: 987 * 2**20)
         self.draft = SimpleNamespace(name="scripted-draft.gguf", memory_bytes=lambda: 123 * 2**20)
         self.dropped_draft = None
+        self.draft_kind = "same-vocab"
         self.template_warning = None  # the notices the session reads after a load
         self.last_stats = None
 
@@ -761,6 +762,128 @@ def test_the_details_panel_shows_a_hybrid_models_rollback(tmp_path):
             await pilot.pause(0.1)
             expert = " ".join(lines_of(app.query_one("#expert")))  # the panel wraps long lines
             assert "rollback: checkpoint (3 restores, 5 tokens replayed)" in expert
+
+    asyncio.run(go())
+
+
+def test_the_details_panel_says_which_kind_of_drafting_ran_and_each_sources_figures(tmp_path):
+    """The figures name the kind of drafting that produced most drafts (through text for a draft model of another
+    vocabulary, as `run --json` says cross-vocab); F3 lists drafted and accepted tokens per drafting source."""
+    from localspec.core.stats import Stats
+
+    app = create_app(settings(tmp_path / "missing.gguf"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            panel = app.query_one(StatsPanel)
+            panel.draft_kind = "cross-vocab"
+            st = Stats(method="auto")
+            for source, (d, a) in (("draft", (4, 3)), ("lookup", (2, 2)), ("draft", (2, 1))):
+                st.record_step(d, a)
+                st.method_used[source] += 1
+            panel.update_stats(st, sources={"draft": (6, 4), "lookup": (2, 2)})
+            await pilot.press("f3")
+            await pilot.pause(0.1)
+            assert "drafting         through text" in lines_of(app.query_one("#figures"))
+            expert = lines_of(app.query_one("#expert"))
+            at = expert.index("drafted by source (accepted/drafted)")
+            assert expert[at + 1:at + 3] == [" draft  through text          4/6  67%",
+                                             " lookup model-free            2/2 100%"]
+            panel.draft_kind = None  # a head given with -d, and no draft at all
+            st2 = Stats(method="eagle3")
+            st2.record_step(3, 3)
+            st2.method_used["eagle3"] += 1
+            panel.update_stats(st2, sources={"eagle3": (3, 3)})
+            await pilot.pause(0.1)
+            assert "drafting         head" in lines_of(app.query_one("#figures"))
+            panel.update_stats(Stats(method="none"))
+            await pilot.pause(0.1)
+            assert "drafting         none" in lines_of(app.query_one("#figures"))
+            assert "drafted by source  —" in lines_of(app.query_one("#expert"))
+
+    asyncio.run(go())
+
+
+# the target's words with the last two changed: the same weights, another vocabulary (drafts through text)
+@pytest.fixture(scope="module")
+def near_path(target_path, tmp_path_factory):
+    from localspec.models.gguf_header import read_file_metadata
+    from tinymodels import WORDS
+
+    seed = int(str(read_file_metadata(target_path, tokens=False)["general.name"]).split("-")[1])
+    return write_model(tmp_path_factory.mktemp("near") / "near.gguf", seed, words=WORDS[:-2] + ["ta", "no"])
+
+
+class TakeTurns:
+    """A policy that hands each step to the next of its drafters in turn that has something to offer, k = 3, and
+    counts what each was told of its proposals (`told`: name -> (drafted, accepted))."""
+
+    switched = None
+
+    def __init__(self, drafters, told):
+        self.drafters, self.turn = drafters, 0
+        for d in drafters.values():
+            def accept(n_drafted, n_accepted, d=d):  # the drafters live on with the engine: wrapped once
+                drafted, accepted = told.get(d.name, (0, 0))
+                told[d.name] = (drafted + n_drafted, accepted + n_accepted)
+                return type(d).accept(d, n_drafted, n_accepted)
+
+            d.accept = accept
+
+    def choose(self, context):
+        names = sorted(self.drafters)
+        for _ in names:
+            self.turn += 1
+            d = self.drafters[names[self.turn % len(names)]]
+            if d.offer(context, 3) is not None:
+                return d, 3
+        return None, 0
+
+    def observe(self, *args):
+        pass
+
+    def reason(self):
+        return ""
+
+    def uncap(self, k):
+        pass
+
+    def set_verify_prices(self, ratios):
+        pass
+
+
+def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, near_path, monkeypatch):
+    """Over answers drafted in turn by prompt lookup, the suffix cache and a draft model of another vocabulary, the
+    panel's drafted and accepted tokens per source equal what the generation told each drafter of its proposals."""
+    from localspec.core.engine import Engine
+
+    told: dict = {}
+    make_policy = Engine.make_policy
+
+    def take_turns(self, cfg, exact):
+        policy, method, k = make_policy(self, cfg, exact)
+        return TakeTurns(policy.drafters, told), method, k
+
+    monkeypatch.setattr(Engine, "make_policy", take_turns)
+    app = create_app(settings(target_path, near_path, method="auto", draft_tokens=4, max_tokens=60,
+                              exactness="lossless"))
+
+    async def go():
+        async with app.run_test(size=SIZE) as pilot:
+            await until(pilot, lambda: app.engine is not None)
+            assert app.engine.draft_kind == "cross-vocab"
+            panel = app.query_one(StatsPanel)
+            seen = set()
+            for prompt in ("the cat and the dog and the cat and the dog", "the cat and the dog and the cat"):
+                told.clear()
+                await answer(pilot, prompt)
+                st = app.engine.last_stats
+                assert panel.sources == told
+                assert sum(d for d, _ in told.values()) == st.drafted and sum(a for _, a in told.values()) == st.accepted
+                seen |= set(told)
+            assert seen == {"draft", "lookup", "suffix"}
+            figures = lines_of(app.query_one("#figures"))
+            assert f"drafting         {'through text' if st.main_method == 'draft' else 'model-free'}" in figures
 
     asyncio.run(go())
 

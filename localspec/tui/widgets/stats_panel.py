@@ -1,7 +1,8 @@
 """Live speculation figures in plain words (speed with a sparkline of the recent rate, drafts accepted, tokens per
-step, first token, prompt reused), the expert figures behind F3 (acceptance per draft position, draft and verify
-time, mean accepted length, the k in use and its cap, the controller's reason) and each model's memory. Names and
-sizes are never broken mid-word: a name too long for the panel is cut with an ellipsis, a size keeps its unit."""
+step, first token, prompt reused, which kind of drafting ran), the expert figures behind F3 (drafted and accepted per
+drafting source, acceptance per draft position, draft and verify time, mean accepted length, the k in use and its
+cap, the controller's reason) and each model's memory. Names and sizes are never broken mid-word: a name too long for
+the panel is cut with an ellipsis, a size keeps its unit."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from textual.content import Content
 from textual.widgets import Sparkline, Static
 
 from localspec.core.report import rate_text, rollback_text
+from localspec.tui.sources import source_kind
 
 NBSP = "\u00a0"
 
@@ -43,6 +45,8 @@ class StatsPanel(Vertical):
         self.rates: list[float] = []
         self.memory: dict[str, int] = {}
         self.last = None
+        self.sources: dict[str, tuple[int, int]] = {}  # the answer's (drafted, accepted) per drafting source
+        self.draft_kind: str | None = None  # the loaded engine's draft_kind (run --json's field)
 
     def compose(self):
         yield Static("speed", classes="title")
@@ -66,10 +70,15 @@ class StatsPanel(Vertical):
         if self.last is not None:
             self.update_stats(self.last, sample=False)
 
-    def update_stats(self, stats, sample: bool = True) -> None:
+    def update_stats(self, stats, sample: bool = True, sources: dict | None = None) -> None:
         """Show `stats`; `sample`: add the recent rate to the sparkline (the app calls this twice a second while
-        an answer streams, and once at its end)."""
+        an answer streams, and once at its end); `sources`: (drafted, accepted) per drafting source so far (None: as
+        last given)."""
+        if stats is not self.last:
+            self.sources = {}
         self.last = stats
+        if sources is not None:
+            self.sources = sources
         if sample and self.show_timings:
             recent = stats.recent_rate()
             if recent is not None:
@@ -92,17 +101,34 @@ class StatsPanel(Vertical):
             f"tokens           {stats.completion_tokens}",
             f"prompt reused    {stats.cached_prompt_tokens} of {stats.prompt_tokens}",
             f"method           {method_text(stats)}",
+            f"drafting         {self.kind_text(stats)}",
             "details: F3" + ("" if self.expert else " (show)"),
         ]
         self.query_one("#figures", Static).update(Text("\n".join(lines), no_wrap=True, overflow="ellipsis"))
         if self.expert:
             self.query_one("#expert", Static).update(self._expert(stats))
 
+    def kind_text(self, stats) -> str:
+        """Which kind of drafting produced most of the answer's drafts: same vocabulary, through text, head or
+        model-free; "none" when nothing was drafted."""
+        used = stats.main_method
+        return "none" if used == "none" else source_kind(used, self.draft_kind)
+
+    def _sources(self) -> str:
+        if not self.sources:
+            return "drafted by source  —\n"
+        out = "drafted by source (accepted/drafted)\n"
+        for src, (d, a) in sorted(self.sources.items(), key=lambda kv: -kv[1][0]):
+            rate = f"{a / d:4.0%}" if d else "   —"
+            out += f" {src:<7}{source_kind(src, self.draft_kind):<16}{f'{a}/{d}':>9} {rate}\n"
+        return out
+
     def _expert(self, stats) -> Text:
         used = ", ".join(f"{m} {n}" for m, n in stats.method_used.most_common()) or "-"
         ks = ", ".join(f"{a}:{b}" for a, b in sorted(stats.k_used.items())) or "-"
         mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
         out = Text(no_wrap=False)
+        out.append(self._sources())
         out.append("acceptance by draft position\n")
         for i, a in enumerate(stats.acceptance_by_position[:8]):
             out.append(f" {i + 1:>2} {_bar(a)} {a:.0%}\n")
