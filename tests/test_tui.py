@@ -889,20 +889,25 @@ def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, 
 
 
 def test_a_load_result_arriving_while_the_app_closes_is_dropped(tmp_path):
-    """CI failed once in test_sparkline_plots_the_recent_rate: the loader's LoadFailed (a missing model) reached the
-    app after run_test had begun tearing the screen down, and `query_one("#loading")` raised NoMatches. A load result
-    with no screen left to show it on is dropped."""
+    """A load result that reaches the app after its screen's widgets are gone (run_test tearing the screen down) is
+    dropped: no error entry, no notice, no exception (`query_one("#loading")` would raise NoMatches)."""
     from localspec.tui.messages import LoadFailed
 
     app = create_app(settings(tmp_path / "missing.gguf"))
+    notices: list[str] = []
 
     async def go():
         async with app.run_test(size=SIZE) as pilot:
-            await pilot.pause()
+            await until(pilot, lambda: not app.loading)  # the model is missing: its own failure is shown first
+            shown = [v.text for v in app.query(MessageView)]
+            assert any("could not load the model" in t for t in shown)
+            app.notify = lambda message, **kw: notices.append(str(message))
             app.query_one("#loading").remove()  # as the teardown does
             await pilot.pause()
-            app.post_message(LoadFailed("late"))
+            app.post_message(LoadFailed("late failure"))
             await pilot.pause()
+            assert [v.text for v in app.query(MessageView)] == shown
+            assert notices == [] and app.is_running and app._exception is None
 
     asyncio.run(go())
 
