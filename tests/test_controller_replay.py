@@ -110,3 +110,90 @@ def test_the_evidence_to_leave_the_bit_cap_is_the_drafters_own_not_one_keys():
     auto, ratio = rename_vs_lookup3("avx512")
     assert auto["switched"]
     assert ratio >= 0.9
+
+
+# ---------------------------------------------------------------- a draft model's recorded proposals
+def synthetic_trace(k=4, wrong_every=2):
+    """An answer of 41 tokens after a prompt, and at every position i a proposal of the next k tokens whose first
+    token is wrong where i is a multiple of `wrong_every` and whose third is wrong everywhere else."""
+    out = list(range(100, 141))
+    at = []
+    for i in range(1, len(out)):
+        prop = out[i:i + k]
+        if i % wrong_every == 0:
+            prop = [1] + prop[1:]
+        elif len(prop) >= 3:
+            prop = prop[:2] + [1] + prop[3:]
+        at.append(prop)
+    return {"id": "synthetic", "prompt": [1, 2, 3], "output": out, "proposals": {"draft": at}, "draft_cost": 0.1}
+
+
+def test_a_recorded_draft_is_replayed_at_any_k_with_its_cost():
+    tr = synthetic_trace()
+    flat = R.CURVES["flat"]
+    r = R.replay(tr, R.fixed_recorded("draft", 4), flat)
+    # from i = 1: an odd i accepts 2 and moves 3 on, an even one accepts none and moves 1 on; i = 37 drafts 3 (the
+    # answer ends), i = 40 has no token left to draft
+    assert (r["steps"], r["spec_steps"], r["drafted"], r["accepted"]) == (20, 19, 9 * 4 + 3 + 9 * 4, 10 * 2)
+    one = R.replay(tr, R.fixed_recorded("draft", 1), flat)
+    assert (one["drafted"], one["accepted"]) == (one["spec_steps"], 20)  # odd i, 1..39: accepted, even: not
+    # the draft's time is paid: the same proposals for free are faster
+    assert R.replay(tr, R.fixed_recorded("draft", 4, draft_cost=0.0), flat)["rate"] > r["rate"]
+    rows = R.table([tr], flat)
+    assert {"draft k=1", "draft k=4", "auto+draft (lossless)"} <= set(rows) and "draft k=8" not in rows
+
+
+def test_leviathan_bound_from_the_recorded_acceptance():
+    tr = synthetic_trace(wrong_every=10**9)  # the first two tokens always right, the third always wrong
+    a = R.alpha([tr], "draft")
+    assert a == pytest.approx(2 / 3, abs=0.01)
+    flat0 = {b: 1.0 for b in range(1, 10)}
+    assert R.leviathan(a, 2, flat0, 0.0) == pytest.approx(1 + a + a * a)
+    assert R.leviathan(1.0, 4, flat0, 0.25) == pytest.approx(5 / 2)
+    assert R.leviathan(a, 4, R.CURVES["avx2"], 0.0) < R.leviathan(a, 4, R.CURVES["flat"], 0.0)
+
+
+def test_proposals_of_the_wrong_shape_are_refused_in_one_line(tmp_path, capsys):
+    import json
+
+    tr = synthetic_trace()
+    tr["proposals"]["draft"] = tr["proposals"]["draft"][:-1]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([tr]))
+    assert R.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "proposals['draft']" in err and err.count("\n") == 1
+    path.write_text(json.dumps([synthetic_trace()]))
+    assert R.main([str(path), "--draft-cost", "-1"]) == 2
+    assert "--draft-cost" in capsys.readouterr().err
+    assert R.main([str(path), "--curve", "flat"]) == 0
+    out = capsys.readouterr().out
+    assert "draft k=4" in out and "auto+draft (lossless)" in out
+    assert "draft: acceptance per drafted token" in out and "Leviathan bound at draft cost 0.100" in out
+
+
+def test_record_keeps_a_cross_vocab_drafts_proposals_and_replay_gives_the_real_runs_counts(target_path, tmp_path):
+    """A draft model of another vocabulary, recorded at every position, replayed at a fixed k: the same drafted and
+    accepted tokens as the engine running that draft at that k on the same prompt."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.models.gguf_header import read_file_metadata
+    from tinymodels import WORDS, write_model
+
+    seed = int(str(read_file_metadata(target_path, tokens=False)["general.name"]).split("-")[1])
+    near = write_model(tmp_path / "near.gguf", seed, words=WORDS[:-2] + ["ta", "no"])
+    e = Engine.load(target_path, near, n_ctx=1024)
+    try:
+        prompts = [{"id": "a", "prompt": "the cat and the dog"}, {"id": "b", "prompt": "Once upon a time"}]
+        traces = R.record(e, prompts, max_tokens=40, drafter="draft", k=4)
+        assert all(tr["draft_kind"] == "cross-vocab" and 0 < tr["draft_cost"] <= 1.5 for tr in traces)
+        for tr in traces:
+            assert len(tr["proposals"]["draft"]) == len(tr["output"]) - 1
+            for k in (2, 4):
+                run = e.complete(tr["prompt"], GenConfig(method="draft", k=k, max_tokens=40, exactness="lossless",
+                                                        adaptive=False))
+                assert run.tokens == tr["output"]
+                r = R.replay(tr, R.fixed_recorded("draft", k), R.CURVES["flat"])
+                assert (r["drafted"], r["accepted"]) == (run.stats.drafted, run.stats.accepted), (tr["id"], k)
+                assert run.stats.drafted > 0
+    finally:
+        e.close()

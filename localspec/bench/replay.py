@@ -5,9 +5,13 @@ it the target accepts follow from the recorded tokens alone; a step's cost is T(
 calibration `localspec` measures per machine). Replaying `auto` and fixed settings over the same record compares
 their choices exactly: the same figures every run, where timed runs on a 2-core machine spread by 5-10%.
 
-    python -m localspec.bench.replay TRACES.json [--tokens N] [--curve avx2|avx512|epyc|flat]
+    python -m localspec.bench.replay TRACES.json [--tokens N] [--curve avx2|avx512|epyc|flat] [--draft-cost C]
 
-Record traces with `record()` (a loaded Engine and prompts): each is {"id", "prompt": [...], "output": [...]}.
+Record traces with `record()` (a loaded Engine and prompts): each is {"id", "prompt": [...], "output": [...]}. A
+draft model's proposals depend on the model, not on the recorded tokens alone: `record(..., drafter="draft")` also
+keeps, for every position of the answer, what that drafter proposed there ("proposals": {"draft": [[...], ...]}), and
+replay puts those proposals in fixed-k and `auto` policies beside prompt lookup, each drafted token costing C target
+steps (--draft-cost; default: the trace's "draft_cost", the draft's size over the target's).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 from typing import Callable, Sequence
 
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
+from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 
 # T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
@@ -39,11 +44,27 @@ def step_cost(curve: dict[int, float], rows: int) -> float:
     return T1 * (curve[top] + (curve[top] - curve[top - 1]) * (rows - top))
 
 
-def replay(trace: dict, make_policy: Callable[[], Policy], curve: dict[int, float], n: int | None = None) -> dict:
-    """Decode `trace` again under the policy: returns tokens/s (simulated), steps and acceptance counts."""
+class RecordedDrafter(Drafter):
+    """A drafter that proposes what a recorded one proposed at the same position of the same answer (record()):
+    `at[i]` followed prompt + output[:i + 1]. Each drafted token costs `draft_cost` target steps."""
+
+    def __init__(self, name: str, n_prompt: int, at: Sequence[Sequence[int]], draft_cost: float) -> None:
+        self.name, self.n_prompt, self.at, self.draft_cost = name, n_prompt, at, draft_cost
+
+    def cost(self) -> float:
+        return self.draft_cost
+
+    def propose(self, context, k, sp, rng) -> Proposal:
+        i = len(context) - self.n_prompt - 1
+        return Proposal(list(self.at[i][:k]) if 0 <= i < len(self.at) else [])
+
+
+def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, float], n: int | None = None) -> dict:
+    """Decode `trace` again under the policy: returns tokens/s (simulated), steps and acceptance counts.
+    `make_policy` takes no argument, or the trace (a policy with a recorded drafter reads its proposals)."""
     prompt = [int(t) for t in trace["prompt"]]
     out = [int(t) for t in trace["output"]][:n]
-    policy = make_policy()
+    policy = make_policy(trace) if getattr(make_policy, "wants_trace", False) else make_policy()
     for d in policy.drafters.values():
         d.begin(prompt)
     ctx = prompt + out[:1]  # the first token comes from the prompt's own pass
@@ -57,8 +78,9 @@ def replay(trace: dict, make_policy: Callable[[], Policy], curve: dict[int, floa
         while n_acc < len(tokens) and tokens[n_acc] == out[i + n_acc]:
             n_acc += 1
         cost = step_cost(curve, len(tokens) + 1)
-        t += cost
-        policy.observe(drafter, k, len(tokens), n_acc, 1e-6 if tokens else None, cost)
+        t_draft = len(tokens) * getattr(drafter, "draft_cost", 0.0) * T1
+        t += cost + t_draft
+        policy.observe(drafter, k, len(tokens), n_acc, (t_draft or 1e-6) if tokens else None, cost)
         if drafter is not None and tokens:
             drafter.accept(len(tokens), n_acc)
             spec += 1
@@ -85,24 +107,97 @@ def auto(curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2) -> Ca
     return lambda: AdaptivePolicy({"lookup": PromptLookupDrafter()}, k_max, {}, None, dict(curve), bit_cap=bit_cap)
 
 
-def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None) -> dict[str, dict[str, float]]:
+def _with_trace(make: Callable[[dict], Policy]) -> Callable[[dict], Policy]:
+    make.wants_trace = True  # replay() hands it the trace whose recorded proposals it drafts from
+    return make
+
+
+def recorded(trace: dict, name: str, draft_cost: float | None = None) -> RecordedDrafter:
+    cost = trace.get("draft_cost", 0.0) if draft_cost is None else draft_cost
+    return RecordedDrafter(name, len(trace["prompt"]), trace["proposals"][name], float(cost))
+
+
+def fixed_recorded(name: str, k: int, draft_cost: float | None = None) -> Callable[[dict], Policy]:
+    return _with_trace(lambda tr: FixedPolicy(recorded(tr, name, draft_cost), k))
+
+
+def auto_recorded(name: str, curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2,
+                  draft_cost: float | None = None) -> Callable[[dict], Policy]:
+    """`auto` choosing each step among prompt lookup and the recorded drafter `name`."""
+    return _with_trace(lambda tr: AdaptivePolicy({"lookup": PromptLookupDrafter(), name: recorded(tr, name, draft_cost)},
+                                                 k_max, {}, None, dict(curve), bit_cap=bit_cap))
+
+
+def recorded_sources(traces: Sequence[dict]) -> list[str]:
+    """The drafters whose proposals every trace holds."""
+    names = [set(tr.get("proposals") or {}) for tr in traces]
+    return sorted(set.intersection(*names)) if names else []
+
+
+def alpha(traces: Sequence[dict], name: str, n: int | None = None) -> float:
+    """The acceptance per drafted token of the recorded drafter `name` as Leviathan et al. model it (each token
+    accepted with the same probability, given the ones before it were): accepted / (accepted + rejections) over its
+    proposal at every position, where a proposal that is not accepted whole ends in one rejection."""
+    acc = rej = 0
+    for tr in traces:
+        out = [int(t) for t in tr["output"]][:n]
+        for i, prop in enumerate(tr["proposals"][name][:len(out) - 1], 1):
+            prop = prop[:len(out) - i]
+            a = 0
+            while a < len(prop) and prop[a] == out[i + a]:
+                a += 1
+            acc, rej = acc + a, rej + (a < len(prop))
+    return acc / (acc + rej) if acc + rej else 0.0
+
+
+def leviathan(a: float, k: int, curve: dict[int, float], draft_cost: float) -> float:
+    """Expected speedup over plain decoding with k drafted tokens of acceptance `a` each (Leviathan et al. 2023,
+    Theorem 3.8, with the verify of k + 1 rows costing T(k + 1)/T(1) from the curve)."""
+    tokens = float(k + 1) if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * draft_cost + step_cost(curve, k + 1) / T1)
+
+
+def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
+          draft_cost: float | None = None) -> dict[str, dict[str, float]]:
     """Speedup over plain per config and trace id."""
     configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
                "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
+    for name in recorded_sources(traces):
+        longest = min(max((len(p) for p in tr["proposals"][name]), default=0) for tr in traces)
+        configs.update({f"{name} k={k}": fixed_recorded(name, k, draft_cost) for k in (1, 2, 3, 4, 8) if k <= longest})
+        configs[f"auto+{name} (lossless)"] = auto_recorded(name, curve, min(max(longest, 1), 8), None, draft_cost)
     base = {tr["id"]: replay(tr, plain(), curve, n)["rate"] for tr in traces}
     return {name: {tr["id"]: replay(tr, mk, curve, n)["rate"] / base[tr["id"]] for tr in traces}
             for name, mk in configs.items()}
 
 
-def record(engine, prompts: Sequence[dict], max_tokens: int = 160) -> list[dict]:
-    """Greedy answers of the engine's target to each {"id", "prompt"} (chat-rendered), for replay()."""
+def record(engine, prompts: Sequence[dict], max_tokens: int = 160, drafter: str | None = None, k: int = 8,
+           p_min: float | None = None) -> list[dict]:
+    """Greedy answers of the engine's target to each {"id", "prompt"} (chat-rendered), for replay(). `drafter`: the
+    name of one of the engine's drafters (e.g. "draft", the draft model, through text when its vocabulary differs):
+    each trace also holds its proposal of up to k tokens after prompt + output[:i + 1] for every i, made with the
+    drafter's p_min (None: the default), its draft_kind and its draft_cost (the draft's size over the target's)."""
+    import numpy as np
+
     from localspec.core.engine import GenConfig
+    from localspec.sample.sampling import SamplingParams
 
     out = []
     for p in prompts:
         toks = engine.chat_prompt([{"role": "user", "content": p["prompt"]}])
         fin = engine.complete(toks, GenConfig(method="none", max_tokens=max_tokens))
-        out.append({"id": p["id"], "prompt": toks, "output": fin.tokens})
+        trace = {"id": p["id"], "prompt": toks, "output": fin.tokens}
+        if drafter is not None:
+            cfg = GenConfig(method=drafter, k=k, **({} if p_min is None else {"p_min": p_min}))
+            d = engine.drafters_for(cfg, drafter)[drafter]
+            d.begin(toks)
+            sp, rng = SamplingParams(), np.random.default_rng(0)
+            trace["proposals"] = {drafter: [d.propose(toks + fin.tokens[:i], k, sp, rng).tokens
+                                            for i in range(1, len(fin.tokens))]}
+            trace["draft_kind"] = engine.draft_kind if drafter == "draft" else None
+            if drafter == "draft":
+                trace["draft_cost"] = engine.draft.size_bytes() / max(engine.target.size_bytes(), 1)
+        out.append(trace)
     return out
 
 
@@ -160,7 +255,26 @@ def load(path) -> list[dict]:
         _tokens(tr.get("prompt"), f"{where}: prompt")
         if len(_tokens(tr.get("output"), f"{where}: output")) < 2:
             raise TraceError(f"{where}: output needs at least 2 tokens")
+        _proposals(tr, where)
     return [{**tr, "id": str(tr["id"])} for tr in traces]
+
+
+def _proposals(tr: dict, where: str) -> None:
+    """A trace's recorded proposals, if any: {name: one list of token ids per position after the first token}."""
+    props = tr.get("proposals")
+    if props is None:
+        return
+    if not isinstance(props, dict):
+        raise TraceError(f"{where}: proposals must be an object of drafter name -> proposals")
+    for name, at in props.items():
+        if not isinstance(at, list) or len(at) != len(tr["output"]) - 1:
+            raise TraceError(f"{where}: proposals[{name!r}] must hold one proposal per output token after the first "
+                             f"({len(tr['output']) - 1})")
+        for i, prop in enumerate(at):
+            _tokens(prop, f"{where}: proposals[{name!r}][{i}]")
+    cost = tr.get("draft_cost", 0.0)
+    if not isinstance(cost, (int, float)) or isinstance(cost, bool) or not 0 <= cost < math.inf:
+        raise TraceError(f"{where}: draft_cost must be a number >= 0")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -173,21 +287,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("traces")
     ap.add_argument("--tokens", type=int, default=None, help="replay at most N tokens of each answer (N >= 2)")
     ap.add_argument("--curve", choices=sorted(CURVES), default="avx2")
+    ap.add_argument("--draft-cost", type=float, default=None,
+                    help="target steps per token a recorded draft model drafts (default: the trace's draft_cost)")
     try:
         a = ap.parse_args(argv)
         if a.tokens is not None and a.tokens < 2:
             raise TraceError(f"--tokens must be at least 2 (the first token is not timed), got {a.tokens}")
+        if a.draft_cost is not None and not 0 <= a.draft_cost < math.inf:
+            raise TraceError(f"--draft-cost must be a number >= 0, got {a.draft_cost}")
         traces = load(a.traces)
     except TraceError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    rows = table(traces, CURVES[a.curve], a.tokens)
+    curve = CURVES[a.curve]
+    rows = table(traces, curve, a.tokens, a.draft_cost)
     ids = [tr["id"] for tr in traces]
+    width = max(18, *(len(name) + 1 for name in rows))
     try:
-        print(f"{'':18}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
+        print(f"{'':{width}}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
         for name, r in rows.items():
             g = math.exp(sum(math.log(r[i]) for i in ids) / len(ids))
-            print(f"{name:18}" + "".join(f"{r[i]:11.3f}" for i in ids) + f"{g:11.3f}")
+            print(f"{name:{width}}" + "".join(f"{r[i]:11.3f}" for i in ids) + f"{g:11.3f}")
+        for name in recorded_sources(traces):
+            al = alpha(traces, name, a.tokens)
+            c = a.draft_cost if a.draft_cost is not None else traces[0].get("draft_cost", 0.0)
+            bound = {k: leviathan(al, k, curve, c) for k in (1, 2, 3, 4, 8)}
+            best = max(bound, key=bound.get)
+            print(f"{name}: acceptance per drafted token {al:.3f}; Leviathan bound at draft cost {c:.3f}: "
+                  + ", ".join(f"k={k} {v:.3f}" for k, v in bound.items()) + f" (best k={best})")
         sys.stdout.flush()
     except BrokenPipeError:  # `| head`: the reader stopped reading, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
