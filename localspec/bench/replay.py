@@ -124,8 +124,11 @@ def fixed_recorded(name: str, k: int, draft_cost: float | None = None) -> Callab
 def auto_recorded(name: str, curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2,
                   draft_cost: float | None = None) -> Callable[[dict], Policy]:
     """`auto` choosing each step among prompt lookup and the recorded drafter `name`."""
-    return _with_trace(lambda tr: AdaptivePolicy({"lookup": PromptLookupDrafter(), name: recorded(tr, name, draft_cost)},
-                                                 k_max, {}, None, dict(curve), bit_cap=bit_cap))
+    def make(tr: dict) -> Policy:
+        drafters = {"lookup": PromptLookupDrafter(), name: recorded(tr, name, draft_cost)}
+        return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+
+    return _with_trace(make)
 
 
 def recorded_sources(traces: Sequence[dict]) -> list[str]:
