@@ -29,9 +29,11 @@ def fresh_cache(tmp_path, monkeypatch):
     for key in ("LOCALSPEC_SUFFIX_CACHE", "LOCALSPEC_SUFFIX_CACHE_TOKENS", "LOCALSPEC_CONFIG"):
         monkeypatch.delenv(key, raising=False)
     S._CORPORA.clear()
+    S._STATIC.clear()
     SC._noticed.clear()
     yield
     S._CORPORA.clear()
+    S._STATIC.clear()
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +107,24 @@ def test_the_longest_match_decides_and_the_offer_says_how_far_it_reaches():
     short = [5, 22, 23]
     d.begin(short)
     assert d.match(short, 3) == ([2, 2, 2], 2) and d.offer(short, 3).key == "suffix@2-3"
+
+
+def test_the_static_corpus_drafts_only_where_this_request_and_earlier_ones_match_nothing():
+    p = [50, 51, 52, 53, 54, 55, 56, 57, 58]
+    static = S.flat_index([doc(0, [7, 7] + p + [9, 9, 9]), doc(1, [60, 61, 62, 5, 5])])
+    corpus = S.SuffixCorpus(10_000, [doc(2, [57, 58, 1, 2, 3])], static=static)
+    d = S.SuffixDrafter(corpus)
+    ctx = list(p)
+    d.begin(ctx)
+    assert d.match(ctx, 3) == ([1, 2, 3], 2)  # a two-token match in an earlier answer beats a long static one
+    ctx2 = [40, 60, 61, 62]
+    d.begin(ctx2)
+    assert d.match(ctx2, 3) == ([5, 5], 3)  # nothing else matches: the folder's text is drafted from
+    assert d.offer(ctx2, 3).key == "suffix@2-3"
+    ctx3 = [60, 61, 62, 8, 60, 61, 62]
+    d.begin(ctx3)
+    assert d.match(ctx3, 3)[0] == [8, 60, 61]  # the request's own text comes first too
+    assert S.SuffixDrafter(S.SuffixCorpus(10_000)).match(ctx2, 3) == ([], 0)
 
 
 def test_a_request_drafts_from_itself_and_joins_the_corpus_when_the_next_begins():
@@ -453,3 +473,82 @@ def test_a_repeated_answer_replays_far_faster_than_plain_and_no_slower_than_look
         again = R.replay(tr, auto_with_suffix(c, cached), c)["rate"] / plain
         lookup = R.replay(tr, R.auto(c, 4, 2), c)["rate"] / plain
         assert again >= 1.3 and again >= lookup, (tr["id"], again, lookup)
+
+
+# ------------------------------------------------------------------ the static cache built from a folder
+def cache_cli(*args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "localspec", "cache", *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def tree(folder: Path) -> dict:
+    return {str(p): (p.stat().st_mtime_ns, p.read_bytes() if p.is_file() else None) for p in folder.rglob("*")}
+
+
+def test_cache_build_makes_a_static_cache_a_request_drafts_from(eng, tmp_path, other_vocab_path, monkeypatch):
+    """A folder holding the text an answer goes on with: after `cache build`, the suffix drafter drafts that answer
+    from it (also with the dynamic cache's persistence off), the output stays plain decoding's at temperature 0, and
+    the folder is only read. A static cache of another vocabulary is never used, under its own name or under this
+    vocabulary's."""
+    monkeypatch.setenv("LOCALSPEC_SUFFIX_CACHE", "false")  # each request below drafts from no earlier one
+
+    def fresh(method="suffix"):  # a request of a new process: no corpus, the static cache read again
+        S._CORPORA.clear()
+        S._STATIC.clear()
+        return eng.complete(prompt, cfg(method))
+
+    prompt = eng.raw_prompt(PROMPTS[2])
+    plain = fresh("none")
+    cold = fresh()
+    src = tmp_path / "src"
+    (src / "pkg").mkdir(parents=True)
+    (src / ".git").mkdir()
+    text = (PROMPTS[2] + eng.target.detokenize(plain.tokens)).replace("\0", "")
+    (src / "pkg" / "story.txt").write_text(text)
+    (src / "notes.md").write_text("the cat and the dog\n")
+    (src / ".git" / "HEAD").write_text(text)  # a hidden folder: never read
+    (src / "blob.bin").write_bytes(b"\x00\x01" * 50)  # not text
+    before = tree(src)
+    r = cache_cli("build", str(src), "-m", str(eng.target.path))
+    assert r.returncode == 0, r.stderr
+    assert "2 files" in r.stderr, r.stderr
+    assert tree(src) == before  # nothing written inside the folder
+    fp = SC.model_fingerprint(eng.target)
+    path = SC.static_path(fp)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(d["id"] for d in json.loads(path.read_bytes())["docs"]) == ["notes.md", "pkg/story.txt"]
+    warm = fresh()
+    assert warm.tokens == plain.tokens == cold.tokens
+    assert warm.stats.accepted >= cold.stats.accepted + 10, (warm.stats.accepted, cold.stats.accepted)
+    shown = json.loads(cache_cli("show", "--json").stdout)
+    assert [f["kind"] for f in shown["files"]] == ["static"] and shown["total"]["documents"] == 2
+
+    # another vocabulary's static cache: under its own fingerprint, then planted under this one's
+    path.unlink()
+    r = cache_cli("build", str(src), "-m", str(other_vocab_path))
+    assert r.returncode == 0, r.stderr
+    (foreign,) = SC.folder().glob("*.static.json")
+    assert foreign != path
+    for attempt in ("own name", "this vocabulary's name"):
+        again = fresh()
+        assert again.tokens == plain.tokens and again.stats.accepted == cold.stats.accepted, attempt
+        path.write_bytes(foreign.read_bytes())
+    assert cache_cli("clear").returncode == 0 and not list(SC.folder().glob("*.json"))
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["{tmp}/absent"], "no such folder"),
+    (["{tmp}/file.txt"], "not a folder"),
+    (["{tmp}/empty"], "no text files"),
+    (["{tmp}", "--glob", "**/*.zzz"], "no text files"),
+    (["{tmp}", "--glob", "../*"], "--glob"),
+    (["{tmp}", "--max-tokens", "0"], "--max-tokens"),
+])
+def test_cache_build_refuses_what_it_cannot_build_from_in_one_line(target_path, tmp_path, args, needle):
+    (tmp_path / "file.txt").write_text("some text")
+    (tmp_path / "empty").mkdir()
+    r = cache_cli("build", *[a.format(tmp=tmp_path) for a in args], "-m", str(target_path), timeout=120)
+    lines = [x for x in r.stderr.splitlines() if x.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], r.stderr
+    assert not SC.folder().exists() or not list(SC.folder().iterdir())

@@ -1,5 +1,7 @@
 """Suffix drafter: drafts from earlier prompts and answers, of this request, of earlier requests in this process, and
-of earlier sessions (a corpus persisted by store/suffixcache.py), after SuffixDecoding (vLLM `method: suffix`).
+of earlier sessions (a corpus persisted by store/suffixcache.py), after SuffixDecoding (vLLM `method: suffix`); and,
+where none of those match, from a static corpus built from a folder (`localspec cache build`), as llama.cpp's
+lookup falls back on its static n-gram cache.
 
 The structure is an n-gram index with occurrence chains, not a suffix tree or automaton. Each indexed n-gram (n in
 KEYS) maps to its latest occurrence and every occurrence links to the one before (a hash chain, as llama.cpp's
@@ -158,14 +160,25 @@ class Doc:
     tokens: list[int]
 
 
+def flat_index(docs: Sequence[Doc]) -> NgramIndex:
+    """The index of `docs` in order, a SEP between two."""
+    flat: list[int] = []
+    for d in docs:
+        flat += ([SEP] if flat else []) + d.tokens
+    return NgramIndex(flat)
+
+
 class SuffixCorpus:
     """The finished requests of one scope (a process's requests, or those of one API key), oldest first, with their
     index. `store` (store/suffixcache.SuffixFile, or None: nothing persists) saves them across sessions: the docs
-    added here since the last save and the requests in progress, merged into the file under its lock."""
+    added here since the last save and the requests in progress, merged into the file under its lock. `static`: the
+    index of a static corpus (a folder's text), drafted from only where the requests match nothing."""
 
-    def __init__(self, max_tokens: int, docs: Sequence[Doc] = (), store=None, save_every_s: float = 60.0) -> None:
+    def __init__(self, max_tokens: int, docs: Sequence[Doc] = (), store=None, save_every_s: float = 60.0,
+                 static: NgramIndex | None = None) -> None:
         self.max_tokens = max(0, int(max_tokens))
         self.store = store
+        self.static = static
         self.save_every_s = save_every_s
         self.docs: list[Doc] = []
         self.total = 0
@@ -192,10 +205,7 @@ class SuffixCorpus:
             keep.append(d)
             total += len(d.tokens)
         self.docs, self.total = keep[::-1], total
-        flat: list[int] = []
-        for d in self.docs:
-            flat += ([SEP] if flat else []) + d.tokens
-        self.index = NgramIndex(flat)
+        self.index = flat_index(self.docs)
 
     def _append(self, doc: Doc) -> None:
         doc = self._kept(doc)
@@ -346,8 +356,17 @@ class SuffixDrafter(Drafter):
 
     def _candidates(self, ctx: Sequence[int]) -> tuple[int, list[tuple]]:
         """(reach, occurrences that reach that far back as (tokens, position, recency)) for the longest key length
-        with an occurrence; the newest OCC_MAX occurrences of each index are looked at."""
+        with an occurrence in this request or the earlier ones, else in the static corpus (a lower tier: text the
+        user's requests wrote beats a folder's); the newest OCC_MAX occurrences of each index are looked at."""
         sources = [(self._live, _LIVE)] + ([(self.corpus.index, 0)] if self.corpus is not None else [])
+        found = self._tier(ctx, sources)
+        static = self.corpus.static if self.corpus is not None else None
+        if not found[1] and static is not None:
+            found = self._tier(ctx, [(static, 0)])
+        return found
+
+    @staticmethod
+    def _tier(ctx: Sequence[int], sources: list) -> tuple[int, list[tuple]]:
         for n in KEYS:
             if len(ctx) < n:
                 continue
@@ -417,6 +436,7 @@ class SuffixDrafter(Drafter):
 _CORPORA: dict[tuple[str, str], SuffixCorpus] = {}  # (vocabulary, scope) -> this process's corpus
 _FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # loaded model -> its vocabulary's
 _PRIVATE: set[str] = set()  # scopes whose corpus starts empty and is never read from or saved to the cache dir
+_STATIC: dict[str, NgramIndex | None] = {}  # vocabulary -> its static corpus' index (None: none), read once
 
 
 def private_scope() -> str:
@@ -447,5 +467,17 @@ def corpus_for(model, scope: str = "") -> SuffixCorpus:
         persist, limit = SC.configured()
         store = SC.SuffixFile(fp, scope, limit) if persist and limit > 0 and scope not in _PRIVATE else None
         docs = [Doc(i, t, toks) for i, t, toks in store.load()] if store is not None else []
-        corpus = _CORPORA[(fp, scope)] = SuffixCorpus(limit, docs, store)
+        static = None if scope in _PRIVATE else static_index(fp)
+        corpus = _CORPORA[(fp, scope)] = SuffixCorpus(limit, docs, store, static=static)
     return corpus
+
+
+def static_index(fp: str) -> NgramIndex | None:
+    """The index of the vocabulary's static corpus (store/suffixcache.static_path), read on first use and shared by
+    every scope: a folder's text the user chose, not any client's requests. None where there is none."""
+    from localspec.store import suffixcache as SC
+
+    if fp not in _STATIC:
+        docs = SC.SuffixFile(fp, max_tokens=SC.STATIC_TOKENS, path=SC.static_path(fp)).load()
+        _STATIC[fp] = flat_index([Doc(i, t, toks) for i, t, toks in docs]) if docs else None
+    return _STATIC[fp]
