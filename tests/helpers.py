@@ -20,6 +20,8 @@ from pathlib import Path
 import openai
 import uvicorn
 
+from tinymodels import CHATML, TOOL_TEMPLATE
+
 # LOCALSPEC_* variables a test keeps from the environment it runs in: the suite's cache and the real models' folder
 KEPT_ENV = ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS")
 
@@ -55,6 +57,21 @@ def one_error_line(r, code: int | None = 2) -> str:
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err and "gdb" not in err
     return lines[0]
+
+
+def run_main(args, capsys, monkeypatch):
+    """The entry point in-process (so a test can stub the exactness probe): (exit code, stdout, stderr)."""
+    import io
+
+    import pytest
+
+    from localspec.cli.app import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing piped
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    out = capsys.readouterr()
+    return exc.value.code, out.out, out.err
 
 
 def clean_env(mp, cfg_dir) -> None:
@@ -232,6 +249,67 @@ def start_serve(args, env):
             return p, m.group(1), lines
     p.kill()
     raise AssertionError("no ready line: " + "".join(lines) + p.stderr.read().decode())
+
+
+# ------------------------------------------------------------------ tool calls
+# the forms small models write a call in, whatever their template shows (Qwen2.5-Coder: a fenced, indented block,
+# or the doubled braces its template prints)
+WRITTEN = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+    "fenced": '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
+    "fenced, no language": '```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+    "bare": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+    "doubled braces": '{{"name": "get_weather", "arguments": {"city": "Paris"}}}',
+    "all braces doubled": '{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}',
+    "fenced, doubled": '```json\n{{"name": "get_weather", "arguments": {"city": "Paris"}}}\n```',
+    "arguments as text": '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
+    "generic": '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
+}
+
+
+class Scripted:
+    """Replaces the served engine's generation with fixed answers, one per request, and keeps each prompt the chat
+    template rendered."""
+
+    def __init__(self, monkeypatch, engine, answers, template=TOOL_TEMPLATE):
+        """`template`: the chat template to serve with (None: the model's own, a ChatML that shows no tools)."""
+        from localspec.core.chat_template import ChatTemplate
+
+        self.answers, self.prompts, self.constraints = list(answers), [], []
+        outer = self
+
+        class Recording(ChatTemplate):
+            def segments(self, messages, add_generation_prompt=True, tools=None, **kw):
+                segs = super().segments(messages, add_generation_prompt, tools=tools, **kw)
+                outer.prompts.append("".join(s.text for s in segs))
+                return segs
+
+        tmpl = Recording(template or CHATML, origin="the test template")
+        monkeypatch.setattr(engine, "chat_template", lambda: tmpl)
+        monkeypatch.setattr(engine, "generate", self.generate)
+
+    def generate(self, tokens, cfg, cancel=None):
+        from localspec.core.engine import Finished, Piece
+        from localspec.core.stats import Stats
+
+        text = self.answers.pop(0)
+        self.constraints.append(cfg.constraint)
+        st = Stats(prompt_tokens=len(tokens))
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for i, p in enumerate(pieces):
+            st.token_emitted(now=float(i))
+            yield Piece(p, i, False)
+        st.elapsed_s = 1.0
+        yield Finished(text, list(range(len(pieces))), "stop", st)
+
+
+def accepts(grammar: str, text: str) -> bool:
+    import llguidance
+
+    from localspec.server.grammar import _byte_tokenizer
+
+    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
+    return m.consume_tokens(list(text.encode())) and m.is_accepting()
 
 
 # ------------------------------------------------------------------ strings from model files on a terminal

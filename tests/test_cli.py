@@ -1,46 +1,24 @@
-"""`localspec run` and friends, through the entry point (in-process) and as real subprocesses."""
+"""`localspec run` and the other commands through the entry point (in-process) and as real subprocesses: the
+answer and its JSON, settings and their sources, help texts and summaries, and bad input as one `error:` line with
+exit 2 (run, chat, config, bench, tune), pipes closed early, terminal escapes from model files kept off the
+terminal."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import pytest
 
-from tinymodels import write_model
+from helpers import EVIL, cli, evil_model, no_controls, one_error_line, run_main
+
+pytestmark = pytest.mark.usefixtures("isolated_config")
 
 JSON_KEYS = {
     "text": str, "finish_reason": str, "method": str, "draft_tokens": int, "target": str, "prompt_tokens": int,
     "completion_tokens": int, "drafted": int, "accepted": int, "acceptance_rate": float, "mean_accepted_length": float,
     "ttft_s": float, "tokens_per_second": float, "elapsed_s": float,
 }
-
-
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for k in list(os.environ):
-        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CONFIG_DIR", "LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-            monkeypatch.delenv(k)
-
-
-def cli(args, stdin=None, env=None, timeout=60):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "localspec", *args], input=stdin, capture_output=True,
-                          timeout=timeout, env=e)
-
-
-def one_error_line(r, code):
-    err = r.stderr.decode()
-    assert r.returncode == code, (r.returncode, err)
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err
-    return lines[0]
 
 
 def test_json_keys_and_types(target_path, draft_path):
@@ -128,24 +106,6 @@ def test_broken_pipe_is_quiet(target_path):
     assert b"Traceback" not in p.stderr and b"Error" not in p.stderr
 
 
-@pytest.fixture(scope="module")
-def long_ctx_model(tmp_path_factory):
-    return write_model(tmp_path_factory.mktemp("long") / "long.gguf", 3, n_ctx_train=65536)
-
-
-def test_sigint_keeps_partial_output_and_exits_130(long_ctx_model):
-    p = subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(long_ctx_model), "-c", "60000",
-                          "-n", "59000", "--method", "lookup", "--raw", "the cat"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    first = p.stdout.read(20)  # generation has started
-    assert first
-    p.send_signal(signal.SIGINT)
-    rest, err = p.communicate(timeout=60)
-    assert p.returncode == 130, err
-    assert b"Traceback" not in err and b"interrupted" in err
-    assert len(first + rest) > 20
-
-
 def test_config_precedence(target_path, tmp_path):
     cfg = tmp_path / "cfg"
     cfg.mkdir(exist_ok=True)
@@ -171,19 +131,6 @@ def test_version_and_help():
     assert r.returncode == 0 and b"--draft-tokens" in r.stdout and b"Examples" in r.stdout
 
 
-def run_main(args, capsys, monkeypatch):
-    """The entry point in-process (so a test can stub the exactness probe): (exit code, stdout, stderr)."""
-    import io
-
-    from localspec.cli.app import main
-
-    monkeypatch.setattr("sys.stdin", io.StringIO(""))  # nothing piped
-    with pytest.raises(SystemExit) as exc:
-        main(args)
-    out = capsys.readouterr()
-    return exc.value.code, out.out, out.err
-
-
 def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, monkeypatch, capsys):
     import localspec.core.exactness as ex
 
@@ -204,7 +151,8 @@ def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, mo
 
 
 def test_json_rate_is_a_number_even_for_a_fast_answer():
-    """CI regression: 12 tokens in under 50 ms gave "tokens_per_second": null (the live display's noise floor)."""
+    """12 tokens in under 50 ms still have a rate in --json and the server's stats: the live display's noise floor
+    (no rate under 50 ms) is for the display only."""
     from types import SimpleNamespace
 
     from localspec.cli.render import result_json
@@ -218,7 +166,7 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     d = result_json(fin, st, eng, GenConfig())
     assert d["tokens_per_second"] == pytest.approx(600.0)
     assert localspec_stats(st, GenConfig())["tokens_per_second"] == pytest.approx(600.0)
-    one = Stats(completion_tokens=1, elapsed_s=0.02)  # one token has no rate (#15.14)
+    one = Stats(completion_tokens=1, elapsed_s=0.02)  # one token has no rate
     assert result_json(fin, one, eng, GenConfig())["tokens_per_second"] is None
 
 
@@ -238,3 +186,220 @@ def test_models_info_and_doctor_say_how_speculation_rolls_back_and_which_heads_e
     assert r.returncode == 0, r.stderr
     heads = json.loads(r.stdout)["draft_heads"]
     assert heads["eagle3"] == "supported" and heads["mtp"] == "supported" and heads["dflash"].startswith("supported")
+
+
+# ------------------------------------------------------------------ flags, settings, summaries
+@pytest.mark.parametrize("args,needle", [
+    (["--threads", "100000"], "threads"),
+    (["--threads", "0"], "threads"),
+    (["--seed", "-5"], "seed"),
+    (["-t", "nan"], "temperature"),
+    (["-t", "inf"], "temperature"),
+    (["-k", "999"], "draft tokens"),
+    (["--top-p", "nan"], "top"),
+])
+def test_bad_values_are_one_error_line_exit_2(target_path, args, needle):
+    r = cli(["run", "-m", str(target_path), "-n", "4", "--raw", *args, "hi"])
+    assert needle in one_error_line(r, 2)
+
+
+@pytest.mark.parametrize("args", [["-t", "nan"], ["-k", "999"], ["--threads", "100000"]])
+def test_chat_validates_like_run(target_path, args):
+    """`chat` refuses the values `run` refuses, before it needs a terminal."""
+    r = cli(["chat", "-m", str(target_path), *args], timeout=30)
+    one_error_line(r, 2)
+
+
+def test_closed_stdout_and_help_into_head(target_path):
+    """A closed stdout, or a reader that goes away (`--help | head -1`), ends the command quietly with exit 0."""
+    r = subprocess.run(f"{sys.executable} -m localspec run -m {target_path} -n 4 --raw hi >&-", shell=True,
+                       capture_output=True, timeout=60)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr and b"Error" not in r.stderr, r.stderr
+    r = subprocess.run(f"{sys.executable} -m localspec --help | head -1; exit ${{PIPESTATUS[0]}}", shell=True,
+                       executable="/bin/bash", capture_output=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert b"Traceback" not in r.stderr and b"Exception" not in r.stderr
+    for cmd in ("--help", "models list", "config"):  # the reader gone before anything is written
+        r = subprocess.run(f"{sys.executable} -m localspec {cmd} | true; exit ${{PIPESTATUS[0]}}", shell=True,
+                           executable="/bin/bash", capture_output=True, timeout=60)
+        assert r.returncode == 0 and r.stderr == b"", (cmd, r.stderr)
+
+
+def test_config_file_errors_are_clear(tmp_path, target_path):
+    """A config file that is not UTF-8, LOCALSPEC_CONFIG naming a folder, or TOML that does not parse: one `error:`
+    line, exit 2."""
+    bad = tmp_path / "bad.toml"
+    bad.write_bytes(b"max_tokens = 3\n\xff\xfe\n")
+    r = cli(["run", "-m", str(target_path), "--raw", "hi"], env={"LOCALSPEC_CONFIG": str(bad)})
+    assert "UTF-8" in one_error_line(r, 2)
+    r = cli(["run", "-m", str(target_path), "--raw", "hi"], env={"LOCALSPEC_CONFIG": str(tmp_path)})
+    assert "directory" in one_error_line(r, 2)
+    bad.write_text("max_tokens = = 3\n")
+    r = cli(["config"], env={"LOCALSPEC_CONFIG": str(bad)})
+    one_error_line(r, 2)
+
+
+def test_rates_from_tiny_samples_are_not_shown(target_path):
+    """One token is no sample for a rate: `-n 1` shows no tok/s (null in --json, a dash in the summary)."""
+    r = cli(["run", "-m", str(target_path), "-n", "1", "--json", "--raw", "hi"])
+    d = json.loads(r.stdout)
+    assert d["completion_tokens"] == 1 and d["tokens_per_second"] is None
+    r = cli(["run", "-m", str(target_path), "-n", "1", "--raw", "hi"])
+    assert "— tok/s" in r.stderr.decode()
+
+
+def test_llama_cpp_aliases_and_runtime_flags(target_path):
+    r = cli(["run", "-m", str(target_path), "-n", "3", "--temp", "0", "-ngl", "0", "--n-gpu-layers", "0", "--json",
+             "--raw", "hi"])
+    assert r.returncode == 0, r.stderr
+    for cmd in ("bench", "tune"):
+        h = cli([cmd, "--help"]).stdout.decode()
+        assert "--gpu-layers" in h and "--draft-gpu-layers" in h and "--threads" in h
+
+
+def test_help_has_descriptions_defaults_and_no_type_names():
+    h = cli(["run", "--help"], env={"COLUMNS": "200"}).stdout.decode()
+    assert "<bool>" not in h and "<str>" not in h and "<int>" not in h and "<float>" not in h
+    assert "(default: 512)" in h and "(default: auto)" in h
+    for opt in ("--top-k", "--top-p", "--min-p", "--seed", "--ctx-size", "--threads"):
+        line = next(l for l in h.splitlines() if opt in l)
+        assert len(line.split("│")[1].split(opt)[1].strip()) > 5, line  # a description follows the option
+
+
+def test_short_summary_by_default_full_with_verbose(target_path, draft_path):
+    base = ["run", "-m", str(target_path), "-d", str(target_path), "--method", "draft", "-k", "2", "-n", "40", "--raw", "the cat"]
+    short = cli(base).stderr.decode().strip().splitlines()[-1]
+    assert short.startswith("40 tokens · ") and "tok/s" in short and "accepted" in short and "|" not in short
+    full = cli(base + ["-v"]).stderr.decode().strip().splitlines()[-1]
+    assert "tokens per target pass" in full and "mean accepted length" in full and "ttft" in full
+
+
+def test_json_reports_requested_k_and_k_in_use(target_path):
+    d = json.loads(cli(["run", "-m", str(target_path), "-d", str(target_path), "--method", "draft", "-k", "3", "-n", "8",
+                        "--json", "--raw", "hi"]).stdout)
+    assert d["draft_tokens"] == 3 and d["k_requested"] == 3 and isinstance(d["k_in_use"], int) and d["k_in_use"] <= 3
+    assert "tokens_per_pass" in d and "drafting_steps" in d
+
+
+def test_config_set_and_unset(target_path):
+    r = cli(["config", "set", "max-tokens", "3"])
+    assert r.returncode == 0, r.stderr
+    assert json.loads(cli(["run", "-m", str(target_path), "--json", "--raw", "hi"]).stdout)["completion_tokens"] == 3
+    shown = json.loads(cli(["config", "--json"]).stdout)["settings"]["max_tokens"]
+    assert shown["value"] == 3 and shown["source"].startswith("file ")
+    assert "temperature" in one_error_line(cli(["config", "set", "temperature", "nan"]), 2)
+    assert "did you mean method" in one_error_line(cli(["config", "set", "methd", "auto"]), 2)
+    assert cli(["config", "unset", "max_tokens"]).returncode == 0
+    assert json.loads(cli(["config", "--json"]).stdout)["settings"]["max_tokens"]["source"] == "default"
+
+
+
+# ------------------------------------------------------------------ bench and tune check their input first
+BENCH = ["bench", "--methods", "lookup", "--k", "2", "-n", "4", "--limit", "1", "--categories", "code"]
+
+
+def test_bench_output_paths_checked_before_the_run(target_path):
+    r = cli(["bench", "-m", str(target_path), "--methods", "lookup", "--k", "2", "-n", "4", "--limit", "1",
+             "--json", "/no/such/dir/x.json"], timeout=30)
+    assert "/no/such/dir" in one_error_line(r, 2)
+
+
+def test_bench_refuses_one_path_for_two_reports(target_path, tmp_path):
+    """`--json F --csv F` is a usage error: one file cannot hold both reports."""
+    f = tmp_path / "report"
+    r = cli([*BENCH, "-m", str(target_path), "--json", str(f), "--csv", str(f)], timeout=120)
+    assert "--json and --csv" in one_error_line(r, 2) and not f.exists() and r.stdout == b""
+
+
+def test_bench_plot_without_matplotlib_fails_before_the_run(target_path, tmp_path):
+    """`--plot` without matplotlib is refused before the benchmark runs."""
+    shadow = tmp_path / "shadow" / "matplotlib"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
+    env = {"PYTHONPATH": str(tmp_path / "shadow") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = cli([*BENCH, "-m", str(target_path), "--plot", str(tmp_path / "x.png")], env=env, timeout=120)
+    assert "matplotlib" in one_error_line(r, 2) and r.stdout == b""  # no report: nothing ran
+
+
+@pytest.mark.parametrize("content,needle", [
+    (b'{"prompt": "hi"}\n[1, 2]\n', "line 2"),
+    (b'"just a string"\n', "line 1"),
+    (b'\xff\xfe\x00\x01binary', "UTF-8"),
+    (b'{"prompt": "hi", "category": 5}\n', "line 1"),
+    (b'{"prompt": "hi", "id": [1]}\n', "line 1"),
+])
+def test_bad_prompts_file_is_a_usage_error_before_any_model_loads(tmp_path, content, needle):
+    """A prompts file line that is no object, a field of the wrong type or a binary file: one usage line naming the
+    file and line, before any model loads (the model does not even exist here)."""
+    f = tmp_path / "prompts.jsonl"
+    f.write_bytes(content)
+    r = cli([*BENCH[:-2], "-m", str(tmp_path / "absent.gguf"), "--prompts", str(f)], timeout=60)
+    line = one_error_line(r, 2)
+    assert str(f) in line and needle in line
+
+
+def test_bench_k_list_must_not_be_empty(tmp_path):
+    """`--methods auto --k ,` (no k at all) is a usage error naming --k, not a ValueError."""
+    r = cli(["bench", "-m", str(tmp_path / "absent.gguf"), "--methods", "auto", "--k", ","], timeout=60)
+    assert "--k" in one_error_line(r, 2)
+
+
+def test_tune_blames_the_flag_that_is_wrong(tmp_path):
+    """`tune --p-min abc` names --p-min, not another flag."""
+    r = cli(["tune", "-m", str(tmp_path / "absent.gguf"), "--p-min", "abc"], timeout=60)
+    line = one_error_line(r, 2)
+    assert "--p-min" in line and "--k" not in line
+
+
+def test_invalid_utf8_argument_is_one_usage_line():
+    """Invalid UTF-8 in argv is one usage line (exit 2), not a UnicodeEncodeError."""
+    for args in ([b"run", b"-n", b"4", b"caf\xe9"], [b"\xff"]):
+        r = subprocess.run([sys.executable.encode(), b"-m", b"localspec", *args], capture_output=True, timeout=60)
+        assert "UTF-8" in one_error_line(r, 2)
+
+
+@pytest.mark.parametrize("value,debug", [("1", True), ("0", False), ("", False)])
+def test_localspec_debug_restores_llama_cpp_backtraces(value, debug):
+    """LOCALSPEC_DEBUG=1 (the name the README and --help give) lets ggml print its backtrace; otherwise it is off."""
+    code = ("import os; from localspec.llama import lib; "
+            "print(lib.DEBUG, os.environ.get('GGML_NO_BACKTRACE'))")
+    env = {k: v for k, v in os.environ.items() if k != "GGML_NO_BACKTRACE"} | {"LOCALSPEC_DEBUG": value}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ([str(debug), "None"] if debug else [str(debug), "1"])
+
+
+@pytest.mark.parametrize("name", ["x.txt", "chart.json", "x.PNG.bak"])
+def test_bench_plot_with_an_unknown_extension_fails_before_the_run(target_path, tmp_path, name):
+    """`bench --plot x.txt`: a format matplotlib cannot write is refused before the benchmark runs."""
+    r = cli([*BENCH, "-m", str(target_path), "--plot", str(tmp_path / name)], timeout=120)
+    line = one_error_line(r, 2)
+    assert "--plot" in line and name.rsplit(".", 1)[1] in line and ".png" in line and r.stdout == b""
+    assert not (tmp_path / name).exists()
+
+
+def test_run_error_and_doctor_lines_hold_no_control_characters(tmp_path, monkeypatch):
+    """A file name or general.name with terminal escapes reaches the terminal as spaces through run's warnings, the
+    error line, doctor's probe list and the session's notices."""
+    from localspec.session import Session
+
+    f = evil_model(tmp_path / f"evil{EVIL}.gguf", chat_template=None)  # no template: run warns, naming the file
+    r = cli(["run", "-m", str(f), "-n", "2", "hello"], timeout=120)
+    assert r.returncode == 0 and "no chat template" in r.stderr.decode(), r.stderr
+    no_controls(r.stderr.decode())
+    r = cli(["run", "-m", str(tmp_path / "absent" / f.name), "hi"])
+    assert "not found" in one_error_line(r, 2)
+    no_controls(r.stderr.decode())
+    r = cli(["doctor"], timeout=120)
+    assert r.returncode == 0 and "pwned" in r.stdout.decode(), r.stderr  # the exactness probe of the run above
+    no_controls(r.stdout.decode())
+    seen: list[str] = []
+    sess = Session({"model": str(f), "ctx_size": 256}, quiet=True, announce=seen.append)
+    try:
+        sess.load()
+        notes = list(sess.notices())
+    finally:
+        sess.close()
+    assert seen and notes
+    for line in seen + notes:
+        no_controls(line)

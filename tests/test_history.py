@@ -1,8 +1,25 @@
-"""Chat history (localspec/history.py), the Markdown/JSON export, `localspec history ...` and resumed chats."""
+"""Chat history (localspec/store/history.py), the Markdown/JSON export, `localspec history ...` and resumed chats:
+written as the chat happens, safe with two writers and a crash, readable from a read-only folder or a damaged row,
+titles without terminal escapes, ids out of range and exports over special files refused in one line."""
 
 from __future__ import annotations
 
+import json
+import os
+import sqlite3
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import cli, one_error_line
+from localspec.errors import UsageError
+from localspec.store import history as H
 from localspec.store.exports import close_fences, open_fence, to_markdown
+from localspec.store.history import History
 
 
 def test_open_fence_follows_commonmark():
@@ -26,20 +43,6 @@ def test_close_fences_appends_the_matching_fence_only_when_open():
 
 
 # ---------------------------------------------------------------- the store
-import json
-import os
-import sqlite3
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
-
-import pytest
-
-from localspec.store import history as H
-from localspec.store.history import History
-
-
 @pytest.fixture(autouse=True)
 def data_dir(tmp_path, monkeypatch):
     d = tmp_path / "data"
@@ -218,20 +221,6 @@ def test_history_setting_is_a_bool_from_file_env_or_flag(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- `localspec history ...` and `chat` without a terminal
-def cli(args, stdin=subprocess.DEVNULL, timeout=60):
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-m", "localspec", *args], stdin=stdin, capture_output=True,
-                          timeout=timeout, env=env)
-
-
-def one_error_line(r, code):
-    err = r.stderr.decode()
-    assert r.returncode == code, (r.returncode, err)
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
-
-
 @pytest.fixture
 def stored():
     store = History()
@@ -293,7 +282,7 @@ def test_history_list_on_a_fresh_machine_writes_nothing(data_dir):
 
 
 def test_chat_without_a_terminal_says_so_and_exits_2(data_dir):
-    r = cli(["chat"], timeout=30)  # stdin is /dev/null: this used to hang
+    r = cli(["chat"], timeout=30)  # stdin is no terminal: chat must not wait on it
     assert "needs a terminal" in one_error_line(r, 2)
     assert not data_dir.exists()  # nothing stored either
 
@@ -349,13 +338,8 @@ def test_chat_passes_runtime_flags_and_the_store_to_the_app(monkeypatch, stored)
 
 
 def test_a_locked_database_at_open_is_waited_for(tmp_path, monkeypatch):
-    """The full suite once failed test_two_processes_writing_at_once_lose_nothing: the second process's open got
-    "database is locked" from SQLite right away (switching a new file to WAL does not always wait on the busy
-    timeout) and gave up. Opening now retries such a transient lock until the busy timeout."""
-    import sqlite3
-
-    from localspec.store import history as H
-
+    """An open that meets "database is locked" right away (switching a new file to WAL does not always wait on the
+    busy timeout, so a second process opening at once can get it) retries until the busy timeout."""
     real_connect = sqlite3.connect
     failures = {"n": 2}
 
@@ -382,3 +366,105 @@ def test_a_locked_database_at_open_is_waited_for(tmp_path, monkeypatch):
         assert store.get(cid).title == "hello" and failures["n"] == 0
     finally:
         store.close()
+
+
+# ---------------------------------------------------------------- odd ids, special files, escapes, read-only and damaged stores
+@pytest.mark.parametrize("cmd", ["show", "rm", "export"])
+def test_history_id_out_of_range_is_a_usage_error(cmd):
+    """`history show 99999999999999999999999` is a one-line usage error, not an OverflowError."""
+    one_error_line(cli(["history", cmd, "99999999999999999999999"]), 2)
+
+
+def test_history_export_refuses_a_fifo(data_dir):
+    h = History()
+    cid = h.new_chat("hello")
+    h.add_message(cid, "user", "hello")
+    h.close()
+    fifo = data_dir.parent / "fifo"
+    os.mkfifo(fifo)
+    r = cli(["history", "export", str(cid), "-o", str(fifo), "--force"])
+    one_error_line(r)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_history_titles_lose_control_characters():
+    h = History()
+    cid = h.new_chat("\x1b]0;pwned\x07\x1b[2J hi \x9b31m there")
+    c = h.chats()[0]
+    assert c.id == cid and "\x1b" not in c.title and "\x07" not in c.title and "\x9b" not in c.title
+    assert "hi" in c.title and "there" in c.title
+    h.rename(cid, "new \x1b[31mname")
+    assert "\x1b" not in h.get(cid).title
+    # a title stored with escapes (by hand, or by another writer) is cleaned when read
+    h._db.execute("UPDATE chats SET title = ? WHERE id = ?", ("old \x1b[5m title", cid))
+    assert "\x1b" not in h.chats()[0].title and "\x1b" not in h.get(cid).title
+    h.close()
+    r = cli(["history", "list"])
+    assert r.returncode == 0 and b"\x1b[5m" not in r.stdout
+
+
+def test_history_reads_a_read_only_data_dir():
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere: the read-only case cannot be made here")
+    from localspec.store.history import data_dir
+
+    h = History()
+    cid = h.new_chat("hello")
+    h.add_message(cid, "user", "hello there")
+    h.close()
+    d = data_dir()
+    modes = {p: p.stat().st_mode for p in [d, *d.iterdir()]}
+    try:
+        for p in modes:
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        r = cli(["history", "list"])
+        assert r.returncode == 0, r.stderr
+        assert b"hello" in r.stdout
+        r = cli(["history", "show", str(cid)])
+        assert r.returncode == 0 and b"hello there" in r.stdout, r.stderr
+    finally:
+        for p, m in modes.items():
+            p.chmod(m)
+
+
+def test_history_read_only_database_file(data_dir):
+    """As root the folder test cannot run: a read-only connection is used when the file cannot be written."""
+    p = data_dir / "h.sqlite3"
+    h = History(p)
+    cid = h.new_chat("hello")
+    h.add_message(cid, "user", "hello there")
+    h.close()
+    ro = History(p, readonly=True)
+    assert ro.get(cid).messages[0]["content"] == "hello there" and ro.chats()[0].id == cid
+    ro.close()
+
+
+def test_damaged_stats_keeps_the_messages():
+    h = History()
+    cid = h.new_chat("hello")
+    h.add_message(cid, "user", "hello")
+    mid = h.add_message(cid, "assistant", "answer")
+    h._db.execute("UPDATE messages SET stats = ? WHERE id = ?", ("{not json", mid))
+    c = h.get(cid)
+    assert [m["content"] for m in c.messages] == ["hello", "answer"] and c.messages[1]["stats"] is None
+    h._db.execute("UPDATE messages SET stats = ? WHERE id = ?", ("[1, 2]", mid))  # JSON, but not an object
+    assert h.get(cid).messages[1]["stats"] is None
+    h.close()
+    r = cli(["history", "export", str(cid), "-f", "json"])
+    assert r.returncode == 0 and json.loads(r.stdout)["messages"][1]["content"] == "answer"
+
+
+@pytest.mark.parametrize("cmd", [["show"], ["rm", "--yes"], ["export"]])
+def test_history_huge_id_is_no_chat(cmd):
+    History().close()
+    line = one_error_line(cli(["history", cmd[0], "99999999999999999999999", *cmd[1:]]))
+    assert "no chat" in line
+
+
+def test_history_store_huge_and_negative_ids():
+    h = History()
+    for bad in (10 ** 30, -(10 ** 30)):
+        for call in (h.get, h.delete, lambda i: h.rename(i, "t")):
+            with pytest.raises(UsageError, match="no chat"):
+                call(bad)
+    h.close()

@@ -243,7 +243,7 @@ def test_probe_and_calibration_work_on_recurrent_models(recurrent, tmp_path, mon
 
 def test_no_rollback_falls_back_to_plain_with_a_notice(mamba_path, monkeypatch, capsys):
     """A model on which neither RS nor checkpoints work: auto, lookup and draft decode plainly, say so once, exit 0."""
-    from test_cli import run_main
+    from helpers import run_main
 
     monkeypatch.setenv("LOCALSPEC_ROLLBACK", "none")
     e = Engine.load(mamba_path, mamba_path, n_ctx=CTX, threads=1)

@@ -1,8 +1,11 @@
-"""Model pairs and downloads against a local fake hub and package index (no network)."""
+"""Model pairs and downloads against a local fake hub and package index (no network): `localspec models ...`,
+verified and resumed downloads, hub names that cannot reach outside localspec's caches, headers read before any
+download, and strings from model files shown without terminal escapes."""
 
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from fakehub import FakeHub
-from localspec.models import download
-from localspec.models import registry
+from helpers import EVIL, cli, evil_model, no_controls, one_error_line
 from localspec.errors import DownloadError, UsageError
+from localspec.models import download, hubname, registry
 from localspec.models.spec import FileSpec
 
 
@@ -123,11 +126,6 @@ def test_header_only_compatibility_before_download(hub, env):
     gets = [l for l in hub.log if l[0] == "GET"]
     assert gets and all(l[2] and l[2].startswith("bytes=") for l in gets)  # only ranged reads
     assert download.local_path(spec("target.gguf")) is None  # nothing downloaded
-
-
-def cli(args, env_extra=None, stdin=b""):
-    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, input=stdin,
-                          env={**os.environ, **(env_extra or {})}, timeout=120)
 
 
 def test_models_commands(hub, target_path, env):
@@ -295,6 +293,142 @@ def test_models_rm_and_list_local(hub, env, target_path):
     assert r.returncode == 2 and b"not a pair you added" in r.stderr
 
 
+# ------------------------------------------------------------------ hub names stay inside the caches
+REPO = "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF"
+
+
+@pytest.fixture
+def home(env, monkeypatch):
+    """env (fresh caches/config) with hub access off, and the mirror folder of REPO present (any mirror download
+    creates it): the state in which a `..` in a file name would reach outside the cache."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("LOCALSPEC_DATA_DIR", str(env / "data"))
+    (env / "cache" / "mirrors" / REPO).mkdir(parents=True)
+    return env
+
+
+def escape_to(path: Path) -> str:
+    """A file part that climbs out of any cache folder to `path`."""
+    return "../" * 30 + str(path).lstrip("/")
+
+
+def test_models_rm_cannot_delete_outside_the_cache(home):
+    victim = home / "victim.gguf"
+    victim.write_bytes(b"GGUF precious")
+    part = home / "victim.gguf.part"
+    part.write_bytes(b"partial")
+    r = cli(["models", "rm", f"hf://{REPO}/{escape_to(victim)}", "--yes"])
+    line = one_error_line(r)
+    assert ".." in line
+    assert victim.read_bytes() == b"GGUF precious" and part.exists()
+
+
+def test_models_add_with_traversal_refused_and_a_hand_written_one_cannot_delete(home):
+    victim = home / "victim2.gguf"
+    victim.write_bytes(b"GGUF precious")
+    r = cli(["models", "add", "evil", "--target", f"hf://{REPO}/{escape_to(victim)}"])
+    one_error_line(r)
+    assert not (home / "cfg" / "pairs.toml").exists()
+    # the same pair written into pairs.toml by hand: refused when read, naming the file
+    (home / "cfg").mkdir(exist_ok=True)
+    (home / "cfg" / "pairs.toml").write_text(
+        f'[pairs.evil]\ndescription = "x"\n[pairs.evil.target]\nrepo = "{REPO}"\nfile = "{escape_to(victim)}"\n')
+    r = cli(["models", "rm", "evil", "--yes"])
+    line = one_error_line(r)
+    assert "pairs.toml" in line and "evil" in line
+    assert victim.exists()
+
+
+def test_run_cannot_load_a_file_outside_the_cache(home, target_path):
+    victim = home / "elsewhere.gguf"
+    shutil.copy(target_path, victim)
+    r = cli(["run", "-m", f"hf://{REPO}/{escape_to(victim)}", "-n", "2", "hi"])
+    one_error_line(r)
+
+
+@pytest.mark.parametrize("bad", ["../x.gguf", "a/../x.gguf", "./x.gguf", "a//x.gguf", "/etc/x.gguf", "a\\x.gguf",
+                                 "x\x1b.gguf", "x\x00.gguf", "a/./x.gguf", "x.gguf/.."])
+def test_hub_file_names_checked_where_they_enter(bad):
+    with pytest.raises(UsageError):
+        hubname.parse(f"hf://{REPO}/{bad}")
+    with pytest.raises(UsageError):
+        FileSpec.from_dict({"repo": REPO, "file": bad})
+    with pytest.raises(UsageError):
+        FileSpec(repo=REPO, file=bad)
+
+
+@pytest.mark.parametrize("bad", ["a/..", "../b", "a/b/c", "a--b/c", "a/b..c", "/a", "a\\b/c", "a/b\x01"])
+def test_hub_repo_names_checked(bad):
+    with pytest.raises(UsageError):
+        FileSpec(repo=bad, file="x.gguf")
+
+
+@pytest.mark.parametrize("bad", ["../../x", "/abs", "a\\b", "a\nb", "a//b"])
+def test_revisions_checked(bad):
+    with pytest.raises(UsageError):
+        FileSpec(repo=REPO, file="x.gguf", revision=bad)
+
+
+def test_good_names_still_parse():
+    h = hubname.parse(f"hf://{REPO}/sub/dir/model.Q4_K_M.gguf@refs/pr/1")
+    assert h.file == "sub/dir/model.Q4_K_M.gguf" and h.revision == "refs/pr/1"
+    assert FileSpec(repo="a_b/c.d-e", file="x..y.gguf").file == "x..y.gguf"  # '..' inside a name is no segment
+
+
+def test_every_derived_path_and_delete_stays_inside_the_caches(home, monkeypatch):
+    victim = home / "victim3.gguf"
+    victim.write_bytes(b"GGUF precious")
+    spec = FileSpec(repo=REPO, file="ok.gguf")
+    object.__setattr__(spec, "file", escape_to(victim))  # past every check at the door
+    with pytest.raises(UsageError):
+        download.mirror_path(spec)
+    with pytest.raises(UsageError):
+        download.local_path(spec)
+    with pytest.raises(UsageError):
+        download.remove(spec)
+    assert victim.exists()
+
+
+def test_remove_does_not_follow_a_snapshot_link_out_of_the_cache(home, monkeypatch):
+    victim = home / "victim4.gguf"
+    victim.write_bytes(b"GGUF precious")
+    snap = Path(download.hf_cache()) / f"models--{REPO.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snap.mkdir(parents=True)
+    (snap / "m.gguf").symlink_to(victim)
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("0" * 40)
+    assert download.local_path(FileSpec(repo=REPO, file="m.gguf")) is None  # a link out of the cache is no copy
+    removed = download.remove(FileSpec(repo=REPO, file="m.gguf"))
+    assert victim.exists()
+    assert not (snap / "m.gguf").is_symlink() or removed == []
+
+
+# ------------------------------------------------------------------ pairs.toml entries and local files checked
+def test_pair_description_round_trips(home, target_path):
+    r = cli(["models", "add", "x", "--target", str(target_path), "--description", "a\rb\x01\x7f\x1b"])
+    assert r.returncode == 0, r.stderr
+    r = cli(["models", "list", "--json"])
+    assert r.returncode == 0, r.stderr
+    assert next(p for p in json.loads(r.stdout) if p["name"] == "x")["description"] == "a\rb\x01\x7f\x1b"
+
+
+def test_pair_with_bad_k_names_file_and_key(home):
+    (home / "cfg").mkdir(exist_ok=True)
+    (home / "cfg" / "pairs.toml").write_text('[pairs.mine]\nk = "abc"\n[pairs.mine.target]\npath = "/x.gguf"\n')
+    line = one_error_line(cli(["models", "list"]))
+    assert "pairs.toml" in line and "mine" in line and "k" in line
+
+
+def test_models_add_refuses_a_non_gguf_file(home, target_path):
+    notgguf = home / "passwd"
+    notgguf.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    line = one_error_line(cli(["models", "add", "x", "--target", str(notgguf)]))
+    assert "GGUF" in line
+    line = one_error_line(cli(["models", "add", "x", "--target", str(target_path), "--draft", str(notgguf)]))
+    assert "GGUF" in line
+    assert not (home / "cfg" / "pairs.toml").exists()
+
+
 # ------------------------------------------------------------------ draft heads: pairs, models add / info
 def test_shipped_head_pairs_parse():
     """The shipped EAGLE-3 and MTP pairs (marked unverified in models.toml): an MTP target needs no draft."""
@@ -358,13 +492,6 @@ def _nested_arrays(path: Path, depth: int) -> Path:
     return path
 
 
-def _one_error(r) -> str:
-    err = r.stderr.decode()
-    lines = [x for x in err.splitlines() if x.strip()]
-    assert r.returncode != 0 and len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    return lines[0]
-
-
 def test_models_add_refuses_a_header_it_cannot_read(env, target_path):
     """A header the reader cannot parse (arrays nested past any real file, truncated, not GGUF) is an error, and
     nothing is added."""
@@ -373,44 +500,18 @@ def test_models_add_refuses_a_header_it_cannot_read(env, target_path):
     bad["text"].write_bytes(b"not a model at all\n")
     for name, f in bad.items():
         for args in (["--target", str(f)], ["--target", str(target_path), "--draft", str(f)]):
-            line = _one_error(cli(["models", "add", f"p-{name}", *args]))
+            line = one_error_line(cli(["models", "add", f"p-{name}", *args]), None)
             assert f.name in line and "RecursionError" not in line, line
-        assert f.name in _one_error(cli(["models", "info", str(f)]))
+        assert f.name in one_error_line(cli(["models", "info", str(f)]), None)
     names = {p["name"] for p in json.loads(cli(["models", "list", "--json"]).stdout)}
     assert not any(n.startswith("p-") for n in names)
     assert not (env / "cfg" / "pairs.toml").exists() or "p-" not in (env / "cfg" / "pairs.toml").read_text()
 
 
 # ------------------------------------------------------------------ strings from model files on a terminal
-EVIL = "\x1b]0;pwned\x07\x1b[2J"  # sets a terminal's title, then clears its screen
-
-
-def evil_model(path: Path, **kw) -> Path:
-    """A tiny model whose general.name holds terminal escapes (OSC title, BEL, CSI clear screen)."""
-    import tinymodels
-
-    orig = tinymodels.llama_kv
-
-    def named(wr, name, *a):
-        orig(wr, f"tiny{EVIL}", *a)
-
-    tinymodels.llama_kv = named
-    try:
-        return tinymodels.write_model(path, 3, **kw)
-    finally:
-        tinymodels.llama_kv = orig
-
-
-def no_controls(text: str) -> None:
-    import unicodedata
-
-    bad = sorted({hex(ord(c)) for c in text if unicodedata.category(c) == "Cc" and c not in "\n"})
-    assert not bad, (bad, text)
-
-
 def test_model_file_strings_are_shown_without_control_characters(env):
-    """`models info` printed a general.name holding OSC/CSI escapes raw (on a terminal: a new title, a cleared
-    screen); so did `models list` and `models add` with such a file name. --json keeps the exact value, escaped."""
+    """`models info`, `models list` and `models add` show a general.name or file name holding OSC/CSI escapes (on a
+    terminal: a new title, a cleared screen) with the escapes as spaces; --json keeps the exact value, escaped."""
     from localspec.printable import printable
 
     assert printable(f"tiny{EVIL}") == "tiny ]0;pwned  [2J" and printable("a\x9b2Jb\x7f") == "a 2Jb "  # C1 CSI, DEL

@@ -2,71 +2,23 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
+from helpers import Worker, cli, free_port, one_error_line
 from localspec import rpcwire as rpc
 from localspec.errors import UsageError
+
+pytestmark = pytest.mark.usefixtures("clean_config")
 
 SECURITY = "the RPC protocol has no authentication and no encryption"
 
 
 # ------------------------------------------------------------------ helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Worker:
-    """A `localspec worker` subprocess; its stderr is collected in .lines."""
-
-    def __init__(self, *args, port=None):
-        self.port = port or free_port()
-        self.proc = subprocess.Popen([sys.executable, "-m", "localspec", "worker", "--port", str(self.port), *args],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: list[str] = []
-        self.out: list[str] = []
-        self._ready = threading.Event()
-        self._readers = [threading.Thread(target=self._read, args=(self.proc.stderr, self.lines, True), daemon=True),
-                         threading.Thread(target=self._read, args=(self.proc.stdout, self.out, False), daemon=True)]
-        for t in self._readers:
-            t.start()
-        if not self._ready.wait(60) or not any(l.startswith("worker listening on") for l in self.lines):
-            self.kill()
-            raise RuntimeError("worker did not start: " + "".join(self.lines))
-
-    def _read(self, stream, into, signals):
-        for line in stream:
-            into.append(line)
-            if signals and line.startswith("worker listening on"):
-                self._ready.set()
-        if signals:
-            self._ready.set()  # it ended: let the constructor report it
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def interrupt(self, timeout=15) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        rc = self.proc.wait(timeout)
-        for t in self._readers:  # everything it said, up to its end
-            t.join(timeout)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
-
-
 @pytest.fixture(scope="session")
 def workers():
     ws = [Worker("--threads", "1"), Worker("--threads", "1")]
@@ -75,30 +27,6 @@ def workers():
         if w.proc.poll() is None:
             assert w.interrupt() == 130, "".join(w.lines)
             assert "worker stopped" in "".join(w.lines)
-
-
-@pytest.fixture(autouse=True)
-def isolated_config(tmp_path, monkeypatch):
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    for k in list(os.environ):
-        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CONFIG_DIR", "LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-            monkeypatch.delenv(k)
-
-
-def cli(args, env=None, timeout=120):
-    e = dict(os.environ)
-    e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, timeout=timeout, env=e)
-
-
-def one_error_line(r, code) -> str:
-    err = r.stderr.decode()
-    assert r.returncode == code, (r.returncode, err)
-    lines = [l for l in err.splitlines() if l.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err and "gdb" not in err
-    return lines[0]
 
 
 class FakeServer:
@@ -318,7 +246,8 @@ def test_abort_message():
 
 
 def test_worker_death_mid_generation_is_one_line_and_keeps_the_answer(target_path):
-    """What the user saw before: llama.cpp's GGML_ABORT, a gdb backtrace (on stdout and stderr) and SIGABRT."""
+    """A worker that dies mid-generation is one `error:` line and exit 1, with the streamed answer kept on stdout:
+    not llama.cpp's GGML_ABORT, a gdb backtrace (on stdout and stderr) and SIGABRT."""
     local = cli(["run", "-m", str(target_path), "--method", "none", "-n", "200", "--raw", "the cat"])
     assert local.returncode == 0
     w = Worker("--threads", "1")
@@ -386,8 +315,8 @@ def test_doctor_reports_rpc():
 
 
 def test_a_dying_worker_leaves_the_streamed_answer_in_the_history(tmp_path, target_path):
-    """#12: the chat's transcript is saved before the process can die. Before, nothing registered the history's
-    flush as an abort hook: the pieces below the write throttle were lost with the process."""
+    """The chat's transcript is saved before the process can die: the history's flush is an abort hook, so the
+    pieces below the write throttle are not lost with the process."""
     w = Worker("--threads", "1")
     db = tmp_path / "history.sqlite3"
     script = f"""

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from fakehub import FakeHub
+from helpers import cli
 from localspec import settings as config
-from localspec.session import Session, generation_slot, resolve_settings, tuned_key
 from localspec.core.stats import Stats
-from test_cli import cli, isolated_config  # noqa: F401  (autouse: config, cache and env isolated per test)
+from localspec.session import Session, generation_slot, resolve_settings, tuned_key
+
+pytestmark = pytest.mark.usefixtures("isolated_config")  # config, cache and env isolated per test
 
 PKG = Path(__file__).resolve().parents[1] / "localspec"
 
@@ -55,7 +57,7 @@ def test_config_command_shows_tune_and_pair_sources():
 
 
 def test_explicit_flags_beat_stored_tune_results(target_path):
-    """Finding 1: `run --method auto --p-min 0.3` ran with the tuned method and p_min."""
+    """Explicit flags beat a stored tune result: `run --method auto --p-min 0.3` runs with auto and 0.3."""
     store_tuned(tuned_key(str(target_path), None), method="lookup", k=1, p_min=0.9, tuned_at="x")
     r = cli(["run", "-m", str(target_path), "--method", "auto", "-k", "3", "-n", "6", "--json", "--raw", "hello"])
     assert r.returncode == 0, r.stderr
@@ -79,7 +81,7 @@ async def _until(pilot, cond, timeout=30.0):
 
 
 def test_chat_applies_tune_results_and_k_zero(target_path):
-    """Finding 2: the chat never applied tune results, and `/k 0` became k = 4."""
+    """The chat applies tune results, and `/k 0` means k = 0."""
     import asyncio
 
     from localspec.tui.app import create_app
@@ -108,7 +110,7 @@ def test_chat_applies_tune_results_and_k_zero(target_path):
 
 # ------------------------------------------------------------------ live figures
 def test_live_tokens_per_second_while_streaming(target_path):
-    """Finding 0: tokens/s read 0.0 until the answer ended."""
+    """tokens/s is live while the answer streams, not 0.0 until it ends."""
     from localspec.core.engine import Engine, GenConfig, Piece
 
     eng = Engine.load(target_path, None, n_ctx=512)
@@ -164,7 +166,8 @@ def test_rates_need_two_tokens_and_50ms():
 
 
 def test_two_figures_tokens_per_pass_and_mean_accepted_length():
-    """Finding 7: "mean accepted length" counted plain steps (1.07 where 6 of 124 steps drafted)."""
+    """"mean accepted length" counts drafting steps only (3.0 where 6 of 124 steps drafted, not 1.07); tokens per
+    pass counts every step."""
     st = Stats()
     for _ in range(118):
         st.record_step(0, 0)
@@ -177,7 +180,7 @@ def test_two_figures_tokens_per_pass_and_mean_accepted_length():
 
 # ------------------------------------------------------------------ concurrency
 def test_four_concurrent_pulls_download_once(tmp_path, monkeypatch, target_path, draft_path):
-    """Finding 3: three pulls at once on an empty cache all failed."""
+    """Four pulls at once on an empty cache all succeed, and the file is downloaded once."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     monkeypatch.delenv("HF_HUB_OFFLINE")
     with FakeHub() as hub:
@@ -207,8 +210,8 @@ def hashlib_sha(p):
 
 
 def test_memo_and_config_writes_are_atomic_and_keep_every_update(tmp_path):
-    """Finding 4: memos and TOML files were written in place (a reader could see half a file) and two writers
-    lost each other's entries."""
+    """Memos and TOML files are written atomically (a reader never sees half a file), and two writers keep each
+    other's entries."""
     code = textwrap.dedent("""
         import sys
         from localspec.store import cachefile
@@ -256,7 +259,7 @@ def test_four_concurrent_runs_with_a_cold_probe_cache(target_path, draft_path):
 
 
 def test_generation_slot_makes_a_second_run_wait(target_path):
-    """Finding 6: two runs at once fought over the cores; now the second waits for a slot and says so."""
+    """Two runs at once do not fight over the cores: the second waits for a generation slot and says so."""
     hold = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import sys, time
         from localspec.session import generation_slot
@@ -285,7 +288,7 @@ def test_parallel_slots_allow_more(monkeypatch):
 
 # ------------------------------------------------------------------ output and layering
 def test_tables_into_a_pipe_are_not_cut():
-    """Finding 5: `models list` into a pipe showed "qwen2.5-coder-1…"."""
+    """`models list` into a pipe shows whole names, never cut ("qwen2.5-coder-1…")."""
     r = cli(["models", "list"])
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode()
@@ -315,7 +318,7 @@ def test_header_reading_does_not_load_llama_cpp(target_path):
 
 
 def test_a_broken_tuned_entry_is_ignored(tmp_path, monkeypatch):
-    """`tuned = "string"` in config.toml crashed every command (the README says a broken tune entry is ignored)."""
+    """`tuned = "string"` in config.toml is ignored (a broken tune entry never stops a command)."""
     cfg = tmp_path / "config.toml"
     cfg.write_text('tuned = "string"\nmethod = "lookup"\n')
     monkeypatch.setenv("LOCALSPEC_CONFIG", str(cfg))
