@@ -88,7 +88,7 @@ def test_this_build_has_every_symbol():
     from localspec.llama import ext
 
     assert ext.missing() == []
-    assert ext.heads_available() == {"eagle3": None, "mtp": None, "dflash": None}
+    assert ext.heads_available() == {"eagle3": None, "mtp": None, "dflash": None, "dspark": None}
 
 
 def test_missing_symbol_makes_the_head_unavailable_and_others_still_work(monkeypatch, bigram, agreeing_head):

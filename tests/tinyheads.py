@@ -247,7 +247,7 @@ MASK_TOKEN = 0  # <unk>: never generated, the DFlash drafts' mask token
 
 
 def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers=(0, 1, 3), n_embd=64, n_embd_tgt=64,
-                 n_head=4, n_ff=128, block_size=8, mask_token: int | None = MASK_TOKEN) -> Path:
+                 n_head=4, n_ff=128, block_size=8, mask_token: int | None = MASK_TOKEN, extra=None) -> Path:
     """A `dflash` draft GGUF (src/models/dflash.cpp: fc + enc.output_norm over the target's layer inputs, injected
     as K/V; a token batch [pending, mask x n] attends non-causally to them and to itself) with its own embeddings
     and output head. Random weights, or (agree_with=SEED of the bigram target) a head whose every mask row names
@@ -255,7 +255,8 @@ def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers
     the token's identity r_t. A mask row's query (dim 2, scaled by attn_q_norm) meets only word tokens' keys, so it
     attends to the pending token alone (injected rows: fc = 0, K = V = 0; other masks: K = 0), copies its r_t (V,
     wo: identity on dims 4..) and the output row pi(t) is r_t. Only the first drafted token can be right: later ones
-    are pi(pending) again, so rollbacks happen. mask_token None: the vocabulary declares none."""
+    are pi(pending) again, so rollbacks happen. mask_token None: the vocabulary declares none. extra(writer, n_vocab):
+    more keys and tensors (a DSpark head's Markov head)."""
     import gguf
 
     tokens, scores, types = vocab()
@@ -332,8 +333,62 @@ def write_dflash(path: Path, seed: int, *, agree_with: int | None = None, layers
     wr.add_tensor(p + "ffn_down.weight", down)
     wr.add_tensor("output_norm.weight", ones)
     wr.add_tensor("output.weight", out.astype(np.float16))
+    if extra is not None:
+        extra(wr, n_vocab)
     _finish(wr)
     return path
+
+
+def write_dspark(path: Path, seed: int, *, agree_with: int | None = None, wrong: float = 0.0, rank: int = 128,
+                 block_size: int = 8, sample_from_anchor: bool | None = True, conf: bool = False,
+                 layers=(0, 1, 3)) -> Path:
+    """A DSpark draft GGUF as llama.cpp's converter writes one (arch `dflash` plus `markov_w1`/`markov_w2`, optional
+    `conf_proj`; src/models/dflash.cpp build_dspark_markov_head): a random DFlash backbone whose logits the Markov
+    bias w2 . w1[prev] outweighs (its successor scores 100, the backbone's logits stay within about +-12), prev being
+    the pending token for the first drafted position and the previous position's argmax after that.
+
+    The Markov successor s(t) of a word token t is pi(t) of the bigram target agree_with (an agreeing head: with
+    wrong=0 every chained draft is right), except for a `wrong` fraction of the words, whose successor is another
+    word; without agree_with, s is a random permutation. w1 row t: dim 0 flags s(t) == pi(t) (+1, else -1), dims
+    1.. a unit vector u_t; w2 row s(t) carries 100 * u_t (and 0 on dim 0). conf: a confidence head that reads only
+    that flag, sigmoid(+-8), so a draft stops before each wrong successor where p_min > 0. sample_from_anchor None:
+    the key is absent (llama.cpp then samples from the anchor); False: the bonus-anchor layout."""
+    n_embd = 64
+    tokens, _, _ = vocab()
+    n_vocab = len(tokens)
+    rng = np.random.default_rng(seed + 100)
+    words = np.arange(N_SPECIAL, n_vocab)
+    if agree_with is not None:
+        pi = bigram_parts(agree_with)[4]
+    else:
+        pi = np.arange(n_vocab)
+        pi[words] = rng.permutation(words)
+    succ = pi.copy()
+    for t in rng.choice(words, size=int(round(wrong * len(words))), replace=False):
+        succ[t] = rng.choice(words[(words != pi[t]) & (words != t)])
+    u = rng.standard_normal((n_vocab, rank - 1))
+    u /= np.linalg.norm(u, axis=1, keepdims=True)
+    w1 = np.zeros((n_vocab, rank), dtype=np.float32)
+    w2 = np.zeros((n_vocab, rank), dtype=np.float32)
+    for t in words:
+        w1[t, 0] = 1.0 if (agree_with is None or succ[t] == pi[t]) else -1.0
+        w1[t, 1:] = u[t]
+        w2[succ[t], 1:] += 100.0 * u[t]
+
+    def markov(wr, n):
+        assert n == n_vocab
+        if sample_from_anchor is not None:
+            wr.add_bool("dflash.sample_from_anchor", sample_from_anchor)
+        wr.add_bool("dflash.has_confidence_head", conf)
+        wr.add_tensor("markov_w1.weight", w1.astype(np.float16))
+        wr.add_tensor("markov_w2.weight", w2.astype(np.float16))
+        if conf:
+            proj = np.zeros((1, n_embd + rank), dtype=np.float32)
+            proj[0, n_embd] = 8.0  # the flag dimension of w1[prev]
+            wr.add_tensor("conf_proj.weight", proj.astype(np.float16))
+            wr.add_tensor("conf_proj.bias", np.zeros(1, dtype=np.float32))
+
+    return write_dflash(path, seed, layers=layers, n_embd=n_embd, block_size=block_size, extra=markov)
 
 
 def write_qwen35_mtp(path: Path, seed: int, *, mtp: str = "agree", wrong: float = 0.3, n_embd=64, n_head=4,

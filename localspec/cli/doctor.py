@@ -42,7 +42,7 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     ]
     from localspec.llama.ext import heads_available
 
-    extra = {"dflash": " (plain DFlash; DFlash2 and DSpark heads are refused)"}
+    extra = {"dflash": " (DFlash and DSpark heads; DFlash2 heads are refused)", "dspark": " (as --method dflash)"}
     report["draft_heads"] = {h: (f"unavailable: {why}" if why is not None else "supported" + extra.get(h, ""))
                              for h, why in heads_available().items()}
     report["notes"] = notes

@@ -66,6 +66,10 @@ NEEDS = {
     "mtp": ("llama_set_embeddings_nextn", "llama_get_embeddings_nextn", "llama_get_embeddings_nextn_ith"),
     "dflash": ("llama_set_embeddings_layer_inp", "llama_get_embeddings_layer_inp", "llama_set_embeddings_nextn",
                "llama_model_target_layer_ids", "llama_model_target_layer_ids_n", "llama_model_dflash_selector_top_k"),
+    # DFlash plus the confidence head's output, which llama.cpp hands out as the nextn embeddings
+    "dspark": ("llama_set_embeddings_layer_inp", "llama_get_embeddings_layer_inp", "llama_set_embeddings_nextn",
+               "llama_get_embeddings_nextn", "llama_model_target_layer_ids", "llama_model_target_layer_ids_n",
+               "llama_model_dflash_selector_top_k"),
 }
 # public llama.h calls (bound by llama-cpp-python itself) the heads need
 PUBLIC = ("llama_process", "llama_batch_ext_init", "llama_batch_ext_free", "llama_batch_ext_clear",

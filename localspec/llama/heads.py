@@ -37,11 +37,15 @@ def arch_of(model_ptr) -> str:
     return meta_str(model_ptr, "general.architecture") or "?"
 
 
+# heads that no method is named after, as the messages name them (a DSpark head runs as --method dflash)
+HEAD_LABELS = {"dspark": "a DSpark head (--method dflash)"}
+
+
 def require_head(kind: str) -> None:
     """Raise IncompatibleDraftError (one line) when this llama-cpp-python build cannot run head `kind`."""
     why = ext.heads_available().get(kind, f"unknown draft head {kind!r}")
     if why:
-        raise IncompatibleDraftError(f"--method {kind} is unavailable: {why}")
+        raise IncompatibleDraftError(f"{HEAD_LABELS.get(kind, f'--method {kind}')} is unavailable: {why}")
 
 
 def check_layer_inp_target(target, kind: str, layer_ids: Sequence[int]) -> None:
@@ -113,7 +117,8 @@ def file_arch(path: str | os.PathLike) -> str | None:
 
 
 class HeadModel:
-    """A draft-head GGUF (eagle3, dflash) loaded without a context of its own: its context needs the target's."""
+    """A draft-head GGUF (eagle3, dflash, dspark) loaded without a context of its own: its context needs the
+    target's."""
 
     def __init__(self, path: str | os.PathLike, *, n_gpu_layers: int = 0) -> None:
         ll = lib.require()

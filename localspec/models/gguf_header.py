@@ -183,6 +183,8 @@ def drafter_kind(meta: dict) -> str | None:
 def drafter_words(meta: dict, role: str) -> str:
     """drafter_kind in words, for `models info` and `models add`."""
     kind = drafter_kind(meta)
+    if kind == "dflash" and "dflash.has_confidence_head" in meta:  # llama.cpp's DSpark converters always write it
+        return "dflash (a DSpark draft head, DFlash plus a Markov head, on the target's hidden states)"
     if kind in HEAD_KINDS:
         return f"{kind} (a draft head on the target's hidden states)"
     if kind == "mtp":
