@@ -11,14 +11,11 @@ import shutil
 import subprocess
 import sys
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-pytest.importorskip("llguidance")
-
-from conftest import REAL_MODELS  # noqa: E402
-from test_server_hardening import serving  # noqa: E402
+from conftest import REAL_MODELS
+from helpers import clean_env, serving
 
 TARGET = REAL_MODELS / "qwen2.5-coder-1.5b-instruct.gguf"
 DRAFT = REAL_MODELS / "qwen2.5-coder-0.5b-instruct.gguf"
@@ -44,10 +41,7 @@ def qwen(tmp_path_factory):
     from localspec.session import Session
 
     with pytest.MonkeyPatch.context() as mp:
-        for k in list(os.environ):
-            if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-                mp.delenv(k)
-        mp.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path_factory.mktemp("cfg")))
+        clean_env(mp, tmp_path_factory.mktemp("cfg"))
         sess = Session({"model": str(TARGET), "draft": str(DRAFT), "ctx_size": 4096, "threads": 2,
                         "temperature": 0.0, "max_tokens": N}, quiet=True)
         sess.load()

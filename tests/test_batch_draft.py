@@ -169,7 +169,7 @@ def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path
     """Through the server's queue: four concurrent `method draft` chats run in the batch, drafting there, and answer
     what they answer one at a time."""
     pytest.importorskip("uvicorn")
-    from test_server import Served, _env, running
+    from helpers import Served, running, server_env
     from test_server_batch import at_once, chat, post, text
     from localspec.server.app import create_app
     from localspec.server.config import ServerConfig
@@ -185,7 +185,7 @@ def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path
     app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
     try:
         with running(app) as url:
-            s = Served(url, app, sess, _env(tmp_path))
+            s = Served(url, app, sess, server_env(tmp_path))
             bodies = [chat(p, max_tokens=30) for p in PROMPTS]
             alone_ = [text(post(s, b)) for b in bodies]
             steps0 = app.state.worker.batch.steps

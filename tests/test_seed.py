@@ -128,8 +128,7 @@ def test_a_seed_gives_one_answer_in_a_batch(engines, seeded, pair):
 pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from test_server import CTX  # noqa: E402
-from test_server_hardening import serving  # noqa: E402
+from helpers import CTX, serving  # noqa: E402
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one at a time", "parallel 2"])

@@ -3,97 +3,21 @@ local port with the tiny test models (in-process on a uvicorn thread; the CLI co
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
-import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-uvicorn = pytest.importorskip("uvicorn")
+from helpers import CTX, LONG, PROMPT, Served, clean_env, cli, running, server_env, start_serve
 
-PROMPT = "the cat and the dog"
 N = 24
-LONG = 100_000  # more than the context holds: a generation that runs until it is cancelled
-CTX = 8192
 MAX_BODY = 64 * 1024
-
-
-def _env(cfg_dir) -> dict:
-    e = {k: v for k, v in os.environ.items() if not k.startswith("LOCALSPEC_")
-         or k in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS")}
-    e.update(LOCALSPEC_CONFIG_DIR=str(cfg_dir), HF_HUB_OFFLINE="1")
-    return e
-
-
-def cli(args, env, timeout=120):
-    return subprocess.run([sys.executable, "-m", "localspec", *args], capture_output=True, timeout=timeout, env=env)
-
-
-class Served:
-    def __init__(self, url, app, session, env):
-        self.url, self.app, self.session, self.env = url, app, session, env
-        self.host, self.port = url.split("//")[1].split("/")[0].split(":")
-
-    def client(self, **kw):
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=kw.pop("api_key", "unused"), **kw)
-
-    def raw(self, method, path, body=None, headers=None):
-        """(status, headers, parsed JSON) for a hand-made request (malformed bodies the client would not send)."""
-        headers = dict(headers or {})
-        if method == "POST" and not any(k.lower() == "content-type" for k in headers):
-            headers["Content-Type"] = "application/json"  # what every JSON client sends (other types: 415)
-        conn = http.client.HTTPConnection(self.host, int(self.port), timeout=60)
-        try:
-            conn.request(method, path, body=body, headers=headers)
-            r = conn.getresponse()
-            data = r.read()
-            try:
-                parsed = json.loads(data) if data else None
-            except ValueError:  # a CORS preflight's "OK"
-                parsed = data.decode(errors="replace")
-            return r.status, dict(r.getheaders()), parsed
-        finally:
-            conn.close()
-
-    def health(self):
-        return self.raw("GET", "/health")[2]
-
-    def wait_for(self, pred, what, timeout=60.0):
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            h = self.health()
-            if pred(h):
-                return h
-            time.sleep(0.02)
-        raise AssertionError(f"server never reached: {what}; /health says {self.health()}")
-
-
-@contextlib.contextmanager
-def running(app):
-    """A real uvicorn server for `app` on a free loopback port, in a thread; yields its base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
-    th = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    th.start()
-    end = time.monotonic() + 30
-    while not server.started and time.monotonic() < end:
-        time.sleep(0.01)
-    assert server.started
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        th.join(30)
 
 
 @pytest.fixture(scope="module")
@@ -103,17 +27,14 @@ def served(target_path, draft_path, tmp_path_factory):
 
     cfg_dir = tmp_path_factory.mktemp("cfg")
     with pytest.MonkeyPatch.context() as mp:
-        for k in list(os.environ):
-            if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-                mp.delenv(k)
-        mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
+        clean_env(mp, cfg_dir)
         sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 3,
                         "ctx_size": CTX}, quiet=True)
         sess.load()
         app = create_app(sess, queue_size=1, max_body=MAX_BODY, log=lambda m: None)
         try:
             with running(app) as url:
-                yield Served(url, app, sess, _env(cfg_dir))
+                yield Served(url, app, sess, server_env(cfg_dir))
         finally:
             if app.state.worker.stop(timeout=30):  # never free the models under a running generation
                 sess.close()
@@ -259,7 +180,7 @@ def test_malformed_completion_bodies_are_400(served, body, needle):
 
 @pytest.mark.parametrize("messages,needle", [
     ([], "at least one"),
-    ([{"role": "robot", "content": "x"}], "role"),  # role "tool" is a tool result now (tools support)
+    ([{"role": "robot", "content": "x"}], "role"),  # (role "tool" is a tool result)
     ([{"content": "x"}], "role"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "text parts"),
     ([{"role": "user", "content": 5}], "content"),
@@ -353,27 +274,10 @@ def test_queue_full_is_503_with_retry_after(served):
 
 
 # ----------------------------------------------------------------- the command
-def _start(args, env):
-    p = subprocess.Popen([sys.executable, "-m", "localspec", "serve", *args], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, env=env)
-    lines = []
-    end = time.monotonic() + 120
-    while time.monotonic() < end:
-        line = p.stderr.readline().decode()
-        if not line:
-            break
-        lines.append(line)
-        m = re.match(r"localspec serve: (http://\S+)/v1 \(model (\S+)\)$", line.strip())
-        if m:
-            return p, m.group(1), lines
-    p.kill()
-    raise AssertionError("no ready line: " + "".join(lines) + p.stderr.read().decode())
-
-
 def test_serve_command_api_key_and_exposure_warning(target_path, tmp_path):
-    env = _env(tmp_path / "cfg")
+    env = server_env(tmp_path / "cfg")
     env["LOCALSPEC_API_KEY"] = "s3cret"
-    p, url, lines = _start(["-m", str(target_path), "--host", "0.0.0.0", "--port", "0", "--method", "none"], env)
+    p, url, lines = start_serve(["-m", str(target_path), "--host", "0.0.0.0", "--port", "0", "--method", "none"], env)
     try:
         port = url.rsplit(":", 1)[1]
         assert url.startswith("http://0.0.0.0:")
@@ -401,7 +305,8 @@ def test_serve_command_api_key_and_exposure_warning(target_path, tmp_path):
 
 
 def test_serve_loopback_has_no_warning_and_no_auth(target_path, tmp_path):
-    p, url, lines = _start(["-m", str(target_path), "--port", "0", "--method", "none"], _env(tmp_path / "cfg"))
+    p, url, lines = start_serve(["-m", str(target_path), "--port", "0", "--method", "none"],
+                                server_env(tmp_path / "cfg"))
     try:
         assert url.startswith("http://127.0.0.1:") and not any("warning" in l for l in lines)
         c = openai.OpenAI(base_url=url + "/v1", api_key="anything")
@@ -421,7 +326,7 @@ def test_serve_loopback_has_no_warning_and_no_auth(target_path, tmp_path):
     (["-t", "-1"], "temperature"),
 ])
 def test_serve_usage_errors(target_path, tmp_path, args, needle):
-    r = cli(["serve", "-m", str(target_path), *args], _env(tmp_path / "cfg"), timeout=60)
+    r = cli(["serve", "-m", str(target_path), *args], server_env(tmp_path / "cfg"), timeout=60)
     err = r.stderr.decode()
     assert r.returncode == 2 and err.startswith("error: ") and needle in err and "Traceback" not in err, err
 
@@ -431,11 +336,60 @@ def test_serve_port_in_use_is_one_error_line(target_path, tmp_path):
     s.bind(("127.0.0.1", 0))
     s.listen(1)
     try:
-        r = cli(["serve", "-m", str(target_path), "--port", str(s.getsockname()[1])], _env(tmp_path / "cfg"))
+        r = cli(["serve", "-m", str(target_path), "--port", str(s.getsockname()[1])], server_env(tmp_path / "cfg"))
     finally:
         s.close()
     err = r.stderr.decode().strip()
     assert r.returncode == 1 and err.startswith("error: cannot listen on") and "\n" not in err, err
+
+
+def test_a_bad_parallel_setting_is_refused_at_start_up(target_path, tmp_path):
+    env = server_env(tmp_path / "cfg")
+    env["LOCALSPEC_PARALLEL"] = "-1"
+    r = cli(["serve", "-m", str(target_path), "--port", "0", "--method", "none"], env, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and err.startswith("error: ") and "LOCALSPEC_PARALLEL" in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_mid_stream_ends_it_with_an_error_event_and_done(target_path, tmp_path, sig):
+    p, url, _ = start_serve(["-m", str(target_path), "--port", "0", "--method", "none", "-c", str(CTX)],
+                            server_env(tmp_path / "cfg"))
+    try:
+        host, port = url.split("//")[1].split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPT, "max_tokens": LONG, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        assert r.read(6) == b"data: "  # the stream has begun
+        p.send_signal(sig)
+        rest = r.read().decode()  # ends when the server closes the stream
+        conn.close()
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    events = [e for e in rest.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    last = json.loads(events[-2][len("data: "):])
+    assert last["error"]["code"] == "shutting_down", last
+    err = err.decode()
+    assert p.returncode == 0 and "localspec serve: stopped" in err, err
+    assert "Traceback" not in err and "CancelledError" not in err, err
+
+
+def test_serve_takes_the_server_settings_as_keywords():
+    """The CLI calls serve(session, host=, port=, api_key=, queue_size=); the other server settings are optional
+    keywords, checked before anything is bound or loaded."""
+    from localspec.errors import UsageError
+    from localspec.server.app import serve
+
+    with pytest.raises(UsageError, match="max k"):
+        serve(object(), port=0, max_k=0)
+    with pytest.raises(UsageError, match="--queue"):
+        serve(object(), port=0, queue_size=0, cors_origins="http://ui.example", allowed_hosts="*", strict_model=True)
 
 
 def test_exposure_warning_text():
@@ -450,8 +404,8 @@ def test_exposure_warning_text():
 
 
 def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
-    """CI regression: on a fast machine tokens arrive more often than POLL_S, and the disconnect check only ran
-    when the wait timed out, so a non-streamed request's generation ran on after its client had gone."""
+    """A non-streamed request's client that leaves is noticed even when tokens arrive more often than POLL_S (a fast
+    machine): the disconnect check does not wait for a quiet moment, so the generation stops with its client."""
     import asyncio
 
     from localspec.core.engine import GenConfig
@@ -480,18 +434,20 @@ def test_a_client_that_leaves_is_noticed_while_tokens_keep_coming():
 
 
 def test_serve_warns_about_a_missing_chat_template_and_takes_one(tmp_path):
-    """serve (like chat) used the plain 'role: content' fallback without a word; `--chat-template` was run-only."""
+    """serve (like chat) warns when the model has no chat template (the plain 'role: content' fallback), and takes
+    `--chat-template` as run does."""
     from tinymodels import write_model
 
     plain_model = write_model(tmp_path / "plain.gguf", 5, chat_template=None)
-    p, url, lines = _start(["-m", str(plain_model), "--port", "0", "--method", "none"], _env(tmp_path / "cfg"))
+    p, url, lines = start_serve(["-m", str(plain_model), "--port", "0", "--method", "none"],
+                                server_env(tmp_path / "cfg"))
     p.send_signal(signal.SIGINT)
     p.communicate(timeout=60)
     assert any("warning:" in l and "no chat template" in l for l in lines), lines
     tmpl = tmp_path / "t.jinja"
     tmpl.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    p, url, lines = _start(["-m", str(plain_model), "--port", "0", "--method", "none", "--chat-template", str(tmpl)],
-                           _env(tmp_path / "cfg"))
+    p, url, lines = start_serve(["-m", str(plain_model), "--port", "0", "--method", "none", "--chat-template",
+                                 str(tmpl)], server_env(tmp_path / "cfg"))
     try:
         assert not any("no chat template" in l for l in lines), lines
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused")
@@ -525,10 +481,10 @@ def test_per_request_speculation_options(served, plain):
 def test_serve_command_lets_an_allowed_web_ui_in(target_path, tmp_path):
     """--cors-origins and --max-k reach the server: an allowed origin's preflight is answered (no key needed), any
     other origin is refused, and a k above --max-k is a 400 naming the field."""
-    env = _env(tmp_path / "cfg")
+    env = server_env(tmp_path / "cfg")
     env["LOCALSPEC_API_KEY"] = "s3cret"
-    p, url, _ = _start(["-m", str(target_path), "--port", "0", "--method", "none", "--cors-origins",
-                        "http://ui.example:5173", "--max-k", "2"], env)
+    p, url, _ = start_serve(["-m", str(target_path), "--port", "0", "--method", "none", "--cors-origins",
+                             "http://ui.example:5173", "--max-k", "2"], env)
     try:
         port = int(url.rsplit(":", 1)[1])
 
@@ -554,10 +510,9 @@ def test_serve_command_lets_an_allowed_web_ui_in(target_path, tmp_path):
 
 
 def test_a_stop_signal_right_after_the_ready_line_stops_the_server(target_path):
-    """CI hung on `serve` here: SIGINT sent as soon as the ready line was printed arrived before uvicorn had installed
-    its own handlers, so localspec's run-time handler raised KeyboardInterrupt wherever the main thread was; inside
-    importlib's lock callback it was swallowed ("Exception ignored in ...") and the server ran on. A stop signal from
-    the ready line on now stops the server the way uvicorn's own handler does."""
+    """A SIGINT sent as soon as the ready line is printed, before uvicorn has installed its own handlers, stops the
+    server the way uvicorn's handler does: not a KeyboardInterrupt raised wherever the main thread is (inside
+    importlib's lock callback it would be swallowed, "Exception ignored in ...", and the server would run on)."""
     from localspec.server.app import serve
     from localspec.session import Session
 

@@ -16,7 +16,7 @@ from conftest import require_exact_batching
 
 pytest.importorskip("uvicorn")
 
-from test_server import Served, _env, cli, running  # noqa: E402
+from helpers import Served, cli, running, server_env, start_serve  # noqa: E402
 
 CTX = 2048
 N = 40
@@ -46,7 +46,7 @@ def batched(target_path, tmp_path_factory):
         app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
         try:
             with running(app) as url:
-                yield Served(url, app, sess, _env(cfg_dir))
+                yield Served(url, app, sess, server_env(cfg_dir))
         finally:
             if app.state.worker.stop(timeout=30):
                 sess.close()
@@ -187,7 +187,7 @@ def test_schema_tools_logprobs_and_plain_requests_are_decoded_together(batched):
 
 @pytest.mark.parametrize("value", ["0", "65"])
 def test_serve_parallel_out_of_range_is_a_usage_error(target_path, tmp_path, value):
-    r = cli(["serve", "-m", str(target_path), "--parallel", value], _env(tmp_path / "cfg"), timeout=60)
+    r = cli(["serve", "-m", str(target_path), "--parallel", value], server_env(tmp_path / "cfg"), timeout=60)
     err = r.stderr.decode()
     assert r.returncode == 2 and err.startswith("error: ") and "--parallel" in err and "Traceback" not in err, err
 
@@ -201,8 +201,8 @@ def test_the_default_is_one_slot_on_cpu_and_four_on_a_gpu():
 
 
 def test_serve_kv_layout_is_checked_before_anything_loads(target_path, tmp_path):
-    r = cli(["serve", "-m", str(target_path), "--parallel", "4", "--kv-layout", "shared"], _env(tmp_path / "cfg"),
-            timeout=60)
+    r = cli(["serve", "-m", str(target_path), "--parallel", "4", "--kv-layout", "shared"],
+            server_env(tmp_path / "cfg"), timeout=60)
     err = r.stderr.decode()
     assert r.returncode == 2 and err.startswith("error: ") and "--kv-layout" in err and "Traceback" not in err, err
 
@@ -214,14 +214,12 @@ def test_serve_probes_and_calibrates_before_it_says_ready_and_a_second_start_rea
     first request waited for them (seconds of decodes, in neither the log nor its ttft_s) while /health said ok.
     They run before the ready line, cached per model and build: a second start measures nothing. (One request at a
     time, the calibration is what method auto's controller starts from.)"""
-    from test_server import _start
-
-    env = _env(tmp_path / "cfg") | {"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}
+    env = server_env(tmp_path / "cfg") | {"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}
     batched = parallel != "1"
     layouts = []
     for start in (1, 2):
-        p, url, lines = _start(["-m", str(target_path), "--port", "0", "--parallel", parallel, "--method", method,
-                                "-c", str(CTX)], env)
+        p, url, lines = start_serve(["-m", str(target_path), "--port", "0", "--parallel", parallel, "--method", method,
+                                     "-c", str(CTX)], env)
         try:
             said = "".join(lines)
             # decided before the ready line, not after it

@@ -8,13 +8,10 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-pytest.importorskip("llguidance")
-
-from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
+from helpers import post
 
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 99}},

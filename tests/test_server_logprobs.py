@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS
+from helpers import post
 from localspec.core.engine import Engine, GenConfig, Piece
-from localspec.sample.sampling import SamplingParams
 from localspec.errors import SettingError
+from localspec.sample.sampling import SamplingParams
 
 N = 24
 
@@ -93,10 +94,10 @@ def test_a_banned_token_never_appears_and_speculation_keeps_plain_output(engine)
 
 
 def test_logit_bias_reaches_the_draft_models_rows_too(engine):
-    """logit_bias applies to the target's logits in every verify row and to the drafter's. With the target
-    as its own draft, a biased target and an unbiased draft disagree wherever the bias changes the choice, so drafts
-    were rejected there; with the bias on the draft's rows too, the draft is the biased target and every draft is
-    accepted (and the output stays that of plain decoding under the bias)."""
+    """logit_bias applies to the target's logits in every verify row and to the drafter's. With the target as its
+    own draft, an unbiased draft would disagree with the biased target wherever the bias changes the choice; with the
+    bias on the draft's rows too, the draft is the biased target and every draft is accepted (and the output stays
+    that of plain decoding under the bias)."""
     prompt = PROMPTS[0]
     plain = [p.token for p in pieces(engine, prompt, method="none")]
     bias = {plain[3]: 25.0}
@@ -192,11 +193,6 @@ def test_in_a_batch_a_bias_leaving_no_token_fails_that_request_only(engine, batc
 
 
 # ----------------------------------------------------------------- through the server (chat and legacy)
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-
-from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
-
 MSG = [{"role": "user", "content": "the cat and the dog"}]
 
 

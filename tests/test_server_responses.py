@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-
-from test_server_hardening import open_api, session  # noqa: E402,F401  (fixtures)
-from test_server_tools import WRITTEN, Scripted  # noqa: E402
+from helpers import WRITTEN, Scripted, accepts
 
 # a function tool as the Responses API (and the Agents SDK) sends it: flat, not under "function"
 TOOL = {"type": "function", "name": "get_weather", "description": "The weather in a city.", "strict": True,
@@ -178,15 +175,6 @@ def test_tools_with_text_format_take_a_call_or_the_schemas_json(open_api, monkey
     assert isinstance(con, Grammar) and not isinstance(con, Lazy)
     assert accepts(con.grammar, '{"answer": "sunny"}') and accepts(con.grammar, WRITTEN["fenced"])
     assert not accepts(con.grammar, "It is sunny.") and not accepts(con.grammar, '{"answer": "x", "more": 1}')
-
-
-def accepts(grammar: str, text: str) -> bool:
-    import llguidance
-
-    from localspec.server.grammar import _byte_tokenizer
-
-    m = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    return m.consume_tokens(list(text.encode())) and m.is_accepting()
 
 
 @pytest.mark.parametrize("streamed", [False, True])

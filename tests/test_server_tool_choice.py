@@ -1,4 +1,4 @@
-"""tool_choice "required" / a named function decoded under a grammar (issue #23): the answer is a call of the
+"""tool_choice "required" / a named function decoded under a grammar: the answer is a call of the
 allowed tool(s) in the chat template's own format, its arguments following the function's JSON schema, with
 speculation kept on (the same answer with method none and draft at temperature 0)."""
 
@@ -9,11 +9,7 @@ import re
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-pytest.importorskip("llguidance")
-
-from test_server_hardening import open_api, post, session  # noqa: E402,F401  (fixtures)
+from helpers import post
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 8},

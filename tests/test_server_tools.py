@@ -9,13 +9,9 @@ import json
 
 import pytest
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-
-from test_server_hardening import open_api, serving, session  # noqa: E402,F401  (fixtures)
-
-from localspec.server.tools import ToolStream, parse  # noqa: E402
-from tinymodels import TOOL_TEMPLATE  # noqa: E402
+from helpers import WRITTEN, Scripted, accepts
+from localspec.server.tools import ToolStream, parse
+from tinymodels import TOOL_TEMPLATE
 
 NAMES = {"get_weather", "add"}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
@@ -51,20 +47,7 @@ def test_mistral_calls():
     assert one('[TOOL_CALLS]get_weather[ARGS]{"city": "Lima"}') == ("", [("get_weather", {"city": "Lima"})])
 
 
-# the forms small models write a call in, whatever their template shows (Qwen2.5-Coder: a fenced, indented block,
-# or the doubled braces its template prints)
-PARIS = ("get_weather", {"city": "Paris"})
-WRITTEN = {
-    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-    "fenced": '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```',
-    "fenced, no language": '```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
-    "bare": '{"name": "get_weather", "arguments": {"city": "Paris"}}',
-    "doubled braces": '{{"name": "get_weather", "arguments": {"city": "Paris"}}}',
-    "all braces doubled": '{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}',
-    "fenced, doubled": '```json\n{{"name": "get_weather", "arguments": {"city": "Paris"}}}\n```',
-    "arguments as text": '{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}"}',
-    "generic": '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}',
-}
+PARIS = ("get_weather", {"city": "Paris"})  # the call in every form of WRITTEN
 
 
 @pytest.mark.parametrize("form", WRITTEN)
@@ -147,44 +130,6 @@ def test_the_stream_splitter_passes_on_what_cannot_be_a_call_as_it_comes():
 
 
 # ------------------------------------------------------------------ round trips with the openai client
-class Scripted:
-    """Replaces the served engine's generation with fixed answers, one per request, and keeps each prompt the chat
-    template rendered."""
-
-    def __init__(self, monkeypatch, engine, answers, template=TOOL_TEMPLATE):
-        """`template`: the chat template to serve with (None: the model's own, a ChatML that shows no tools)."""
-        from localspec.core.chat_template import ChatTemplate
-
-        self.answers, self.prompts, self.constraints = list(answers), [], []
-        outer = self
-
-        class Recording(ChatTemplate):
-            def segments(self, messages, add_generation_prompt=True, tools=None, **kw):
-                segs = super().segments(messages, add_generation_prompt, tools=tools, **kw)
-                outer.prompts.append("".join(s.text for s in segs))
-                return segs
-
-        from tinymodels import CHATML
-
-        tmpl = Recording(template or CHATML, origin="the test template")
-        monkeypatch.setattr(engine, "chat_template", lambda: tmpl)
-        monkeypatch.setattr(engine, "generate", self.generate)
-
-    def generate(self, tokens, cfg, cancel=None):
-        from localspec.core.engine import Finished, Piece
-        from localspec.core.stats import Stats
-
-        text = self.answers.pop(0)
-        self.constraints.append(cfg.constraint)
-        st = Stats(prompt_tokens=len(tokens))
-        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
-        for i, p in enumerate(pieces):
-            st.token_emitted(now=float(i))
-            yield Piece(p, i, False)
-        st.elapsed_s = 1.0
-        yield Finished(text, list(range(len(pieces))), "stop", st)
-
-
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
@@ -366,7 +311,6 @@ def test_tools_with_a_response_format_take_a_call_or_the_formats_json(open_api, 
     """response_format with tools under auto: the answer is a call or JSON of the schema (one grammar over the
     whole answer), not the schema's JSON only."""
     from localspec.server.grammar import Grammar, Lazy
-    from test_server_responses import accepts
 
     sc = Scripted(monkeypatch, open_api.session.engine, [WRITTEN["bare"]])
     c = open_api.client(max_retries=0)
