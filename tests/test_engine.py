@@ -420,3 +420,14 @@ def test_auto_exactness_leaves_the_bit_cap_when_a_bigger_k_pays(target_path, mon
         assert bit.stats.exactness == "bit" and max(bit.stats.k_used) <= 2 and bit.tokens == plain_tokens
     finally:
         e.close()
+
+
+def test_every_drafting_step_counts_its_tokens_to_the_source_that_drafted_them(engine):
+    """auto picks among sources step by step; each step's drafted and accepted tokens go to the one that drafted
+    them, so the per-source counts (bench, /metrics, the chat's details) add up to the totals."""
+    for method in ("lookup", "draft"):
+        cfg = GenConfig(method=method, k=4, max_tokens=N_EXACT)
+        st = engine.complete(engine.raw_prompt(PROMPTS[0]), cfg).stats
+        assert st.drafted > 0
+        assert dict(st.drafted_by) == {method: st.drafted} and dict(st.accepted_by) == {method: st.accepted}
+        assert all(None not in v for v in st.by_source().values())

@@ -257,8 +257,9 @@ class Generation:
         st.verify_s += cost
         if not gamma:
             st.plain_s += cost
-        st.record_step(gamma, n_acc)
-        st.method_used[drafter.name if (drafter is not None and gamma) else "none"] += 1
+        source = drafter.name if (drafter is not None and gamma) else ""
+        st.record_step(gamma, n_acc, source)
+        st.method_used[source or "none"] += 1
         st.k_used[k if drafter is not None else 0] += 1
         self.policy.observe(drafter, k, gamma, n_acc, step.t_draft, cost)
         switched = getattr(self.policy, "switched", None)
