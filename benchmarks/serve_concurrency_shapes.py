@@ -1,10 +1,10 @@
-"""Decode time of one 4-slot batched step under the row layouts a step can take (issue #24: one pass per step).
+"""Decode time of one 4-slot batched step under the row layouts a step can take (why a step is one pass).
 
 llama.cpp runs a batch over separate KV streams (kv_unified off, as `localspec serve --parallel N`) as passes of
 CONSECUTIVE sequences with EQUAL rows each (localspec.llama.multiseq.split_equal): rows [1, 3, 1, 2] cost three
 passes (4 x 1, then 1 x 2, then 1 x 1), each reading the weights again. Schemes timed, interleaved, medians:
 
-  uneven    separate streams, rows [1, 3, 1, 2] (what a step did before: 3 passes)
+  uneven    separate streams, rows [1, 3, 1, 2] (3 passes)
   padded    separate streams, every slot padded to 3 rows (1 pass of 12 rows; BatchEngine._pad)
   unified   one unified KV cache, rows [1, 3, 1, 2] (1 pass of 7 rows; LOCALSPEC_KV_UNIFIED=1)
   gap       separate streams, slots 0 and 2 with 2 rows each (2 passes) ...

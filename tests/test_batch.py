@@ -30,8 +30,8 @@ def test_the_probe_says_batching_is_exact_on_the_tiny_model(batch, exact_batchin
 def test_the_probe_sees_a_longer_cache_beside_a_row_change_it(engine):
     """On a 2-core AMD EPYC with AVX512-BF16, a row decoded beside another request whose cache is longer (requests
     that started at different times: every pass of a running batch) differs from its one-token decoding (BF16-KV
-    flash attention spans the longest cache of the pass); the probe reported it as a rollback effect, or, where its
-    rollback check happened to pass, not at all. Its verdict must be what a direct decode shows, on any CPU."""
+    flash attention spans the longest cache of the pass). The probe checks that case apart from rollbacks: its verdict
+    must be what a direct decode shows, on any CPU."""
     import numpy as np
 
     from localspec.core.exactness import probe_lengths
@@ -331,7 +331,7 @@ def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
 
 
 def inexact_at_full_batch(self):
-    """The probe's finding on a 2-core CPU with repacked Q4_K weights: 2 and 3 requests x 1 row share a pass
+    """The probe's verdict on a 2-core CPU with repacked Q4_K weights: 2 and 3 requests x 1 row share a pass
     bit-identically, 4 x 1 does not."""
     from localspec.core.exactness import ProbeResult
 
@@ -409,8 +409,8 @@ def test_a_new_request_takes_a_shared_prefix_from_another_slots_cache(engine, la
 
 
 def test_a_slow_prefill_takes_smaller_chunks_beside_running_requests(engine, monkeypatch):
-    """Where the machine prefills slowly (Qwen 1.5B on 2 cores: ~30 tokens/s, so a 256-token chunk held a running
-    answer's next token back 8.5 s), a prompt joining beside generating requests decodes only what fits
+    """Where the machine prefills slowly (Qwen 1.5B on 2 cores: ~30 tokens/s, so a 256-token chunk would hold a
+    running answer's next token back 8.5 s), a prompt joining beside generating requests decodes only what fits
     PREFILL_STEP_S at the measured rate (at least PREFILL_MIN); alone it takes the whole chunk. Texts unchanged."""
     from localspec.core import batch as B
 

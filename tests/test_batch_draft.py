@@ -267,10 +267,10 @@ def test_a_new_draft_request_takes_a_shared_prefix_from_another_slots_draft_cach
 
 
 def test_a_long_prompt_catches_the_draft_up_in_chunks_beside_the_running_requests(twin, monkeypatch):
-    """Must-have: prefill of a new prompt is chunked so it does not stall the others. The target prefills 16 tokens
-    a step here; the draft model's catch-up of a new long prompt did all of it in the request's first draft step
-    (one decode of hundreds of rows, the running requests waiting). Now it catches up 16 a step, drafting nothing
-    until it is caught up, while the others keep generating; the texts are those of the single path."""
+    """A new prompt's prefill is chunked so it does not stall the others, the draft model's catch-up too (not one
+    decode of hundreds of rows in the request's first draft step, the running requests waiting). The target
+    prefills 16 tokens a step here; the draft catches up 16 a step, drafting nothing until it is caught up, while
+    the others keep generating; the texts are those of the single path."""
     engine, batch = twin
     long_prompt = engine.raw_prompt(" ".join(PROMPTS * 5))
     assert len(long_prompt) > 8 * batch.prefill_chunk

@@ -102,7 +102,7 @@ def check_probe_agrees(engine):
             assert res.shapes[shape] == real[shape], (shape, why)
         assert res.beside_prompt[SLOTS] == real["prompt"], why
         if not all(real.values()):
-            assert not exact, why  # the bug: a probe that says bit where a shape the batch makes is not
+            assert not exact, why  # a probe never says bit where a shape the batch makes is not
         return exact, real
     finally:
         b.close()

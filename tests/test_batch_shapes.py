@@ -102,8 +102,8 @@ def test_split_equal_matches_what_llama_cpp_computes(engine):
 # ------------------------------------------------------------------ the probe
 def test_the_probe_sees_passes_of_four_rows_from_four_requests(engine, exact_batching):
     """A build whose logits change only in passes of >= 4 rows (4 requests x 1 row, 2 x 2, ...): the probe must
-    not call batching bit-exact. (The old probe decoded two sequences only, and llama.cpp split its '3 rows of
-    another request' case into 1 + 1 rows and then that request alone: it said bit.)"""
+    not call batching bit-exact. (A probe of two sequences only misses it: llama.cpp splits a '3 rows of another
+    request' case into 1 + 1 rows and then that request alone.)"""
     require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:
@@ -239,8 +239,8 @@ def test_a_new_request_keeps_the_active_slots_consecutive(engine):
 
 
 def test_padding_only_where_the_verify_curve_says_one_padded_pass_is_cheaper(engine, monkeypatch):
-    """On a compute-bound CPU every row costs about half a step, and padding rows [1,3,1,2] to [3,3,3,3] cost more
-    than the three passes it saved (Qwen2.5-Coder-1.5B, 2 cores: 657 vs 451 ms); on a GPU rows are nearly free and
+    """On a compute-bound CPU every row costs about half a step, and padding rows [1,3,1,2] to [3,3,3,3] costs more
+    than the three passes it replaces (Qwen2.5-Coder-1.5B, 2 cores: 657 vs 451 ms); on a GPU rows are nearly free and
     each pass is what costs. By default the step pads only where the target's calibrated curve says it pays."""
     b = BatchEngine(engine, 4)
     try:
@@ -342,9 +342,8 @@ def perturb_prompt_beside_others(ms, prompt_rows=5):
 def test_a_joining_prompt_decodes_apart_where_beside_others_it_would_cost_them_bit(engine, arrival, exact_batching):
     """Where a prompt chunk beside other requests' rows is not bit-identical, a step with a joining prompt decodes
     the generating rows first and the prompt on its own, and two prompts joining in the same step one after the
-    other: the requests all stay bit (before, the running one went lossless "beside another request's prompt
-    chunk" the step a prompt joined, and two requests arriving together both did from their first token). Over
-    separate KV streams that costs no extra pass: a prompt's rows past the shared pass ran alone anyway."""
+    other: the requests all stay bit, the running one and two arriving together alike. Over separate KV streams
+    that costs no extra pass: a prompt's rows past the shared pass run alone anyway."""
     require_exact_batching(exact_batching)
     b = BatchEngine(engine, 4)
     try:

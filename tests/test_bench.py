@@ -318,7 +318,8 @@ def test_bench_exits_3_on_an_algorithm_bug(target_path, draft_path, tmp_path, mo
 
 
 def test_report_into_a_pipe_keeps_every_cell():
-    """#11 finding 5: `localspec bench > file` cut every cell ("co…", "15…")."""
+    """`localspec bench > file`: a report written into a pipe or file keeps every cell whole (no "co…", "15…"),
+    whatever width the console guesses."""
     import io
 
     from rich.console import Console
@@ -332,7 +333,8 @@ def test_report_into_a_pipe_keeps_every_cell():
 
 
 def test_auto_rows_get_the_leviathan_bound_with_the_draft_cost_of_its_mix():
-    """auto rows had no bound ("ideal" was "-"): the standards quote measured speedup against it."""
+    """auto rows get a Leviathan bound ("ideal", not "-"): the standards quote measured speedup against it. It is the
+    best k up to auto's cap, with the draft cost of its mix of drafters, and never below plain decoding."""
     a = rr("auto k<=4", "auto", 4, "code", 12.0, 1.2, True, 40, 20)
     a.k_effective, a.drafting_steps, a.draft_model_steps = 2, 10, 5  # half the drafting steps used the draft model
     rows = B.summarize([rr("none", "none", 0, "code", 10.0), a], {"ratio": {1: 1.0, 2: 1.5, 3: 2.0}, "c": 0.4})

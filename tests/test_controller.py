@@ -108,9 +108,9 @@ def test_expected_tokens_and_best_k_arithmetic():
 
 
 def test_one_outlier_measurement_does_not_switch_speculation_off_for_good():
-    """Bench regression (lossless, k<=8): the first verify of 2 rows was timed on a busy moment at several times its
-    cost; every k then looked hopeless, the drafter was never probed again, and the curve was never re-measured:
-    auto stayed plain for the remaining 29 prompts (0 tokens drafted, code_edit 0.99x where bit had 1.18x)."""
+    """One verify timed on a busy moment at several times its cost must not make every k look hopeless for good:
+    the drafter is probed again and the curve re-measured, so auto goes back to drafting (lossless, k<=8) instead
+    of staying plain for every later prompt."""
 
     class Lookup(FakeLookup):
         def match(self, context, k):
@@ -127,8 +127,8 @@ def test_one_outlier_measurement_does_not_switch_speculation_off_for_good():
 
 
 def test_a_calibrated_curve_lets_the_controller_pick_a_cheaper_bigger_batch():
-    """On a 2-core AVX-512 CPU a verify batch of 4 rows costs less than one of 3 (repacked GEMM from 4 rows): native
-    llama-lookup (k=3) ran at 19.7 tok/s where auto, guessing T(4) from T(3) and a slope, stayed at k <= 2 (16.3)."""
+    """On a 2-core AVX-512 CPU a verify batch of 4 rows costs less than one of 3 (repacked GEMM from 4 rows): a cost
+    guessed from T(3) and a slope keeps k <= 2 there, the calibrated curve lets the controller take k=3."""
     measured = {1: 1.0, 2: 1.5, 3: 1.9, 4: 1.65, 5: 2.2, 6: 2.5, 7: 2.8, 8: 3.0, 9: 3.4}
     curve = lambda b: T1 * measured[b]  # noqa: E731
     est = DrafterEstimate(prior_alpha=0.7)
@@ -142,9 +142,8 @@ def test_a_calibrated_curve_lets_the_controller_pick_a_cheaper_bigger_batch():
 
 
 def test_lookup_is_judged_per_match_length():
-    """Native llama-lookup beat auto on a code-rewrite prompt (19.7 vs 16.3 tok/s): auto pooled every lookup match
-    into one acceptance figure, so failed 2-token matches in the prose made it decline the 4-token matches of the
-    code being copied. Each match length now has its own estimate."""
+    """Each lookup match length has its own acceptance estimate: pooled into one figure, failed 2-token matches in
+    the prose would make the controller decline the 4-token matches of the code being copied."""
 
     class Lookup(FakeLookup):
         def __init__(self):
@@ -177,9 +176,9 @@ def test_lookup_is_judged_per_match_length():
 
 
 def test_exactness_auto_leaves_the_bit_cap_only_when_a_bigger_k_pays():
-    """Native llama-lookup beat `auto` 0.69x on a summary: exactness auto kept the bit cap k<=2 where k=3+ paid
-    (issue: bit-exactness only where it is free). With a verify curve where bigger batches are cheap and drafts
-    accepted, the policy leaves the cap and says why; where bigger batches cost what they gain, it keeps it."""
+    """Exactness auto keeps bit-exactness only where it is free: with a verify curve where bigger batches are cheap
+    and drafts accepted, the policy leaves the bit cap k<=2 and says why; where bigger batches cost what they gain,
+    or acceptance is low, it keeps it."""
 
     class Lookup(FakeLookup):
         def match(self, context, k):
@@ -204,10 +203,9 @@ def test_exactness_auto_leaves_the_bit_cap_only_when_a_bigger_k_pays():
 
 
 def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated():
-    """Issue 21: on the same prompt `auto` left the bit cap in one run and kept it in the next (rename: 22.9 vs 19.4
-    tok/s in two rounds of one benchmark), because it judged k on live verify timings, which swing by 10-30% on a busy
-    2-core machine. With a calibrated curve T(b)/T(1), a step's cost is T(1) x that ratio: the same acceptances give
-    the same choices whatever the timings, and only the acceptances decide."""
+    """The same prompt gets the same decisions run after run: live verify timings swing by 10-30% on a busy 2-core
+    machine, so k is not judged on them. With a calibrated curve T(b)/T(1), a step's cost is T(1) x that ratio: the
+    same acceptances give the same choices whatever the timings, and only the acceptances decide."""
     measured = {b: 1 + 0.55 * (b - 1) for b in range(1, 10)}
     accept = np.random.default_rng(7).random((300, 8))  # the same acceptance stream in every run
 
@@ -258,11 +256,11 @@ class ShadowLookup(Drafter):
 
 
 def test_a_shadow_on_a_step_every_drafting_run_skips_is_not_judged_by_its_key():
-    """Right after a shadow whose first token was right, a run drafting there (any k) emitted that token and the next
-    in one step, so it never stands on this step: judging it anyway counted a copied span's L hits against its one
-    miss, where a drafting run meets the miss once in every few steps (the extract-JSON answer, 0.94x plain replayed on
-    the 2-core EPYC curve). Its figures still count for the drafter's pooled estimate (the evidence to leave the bit
-    cap), and by its key where the step drafts after all."""
+    """Right after a shadow whose first token was right, a run drafting there (any k) emits that token and the next
+    in one step, so it never stands on this step: the shadow there is not judged by its key, or a copied span's L
+    hits would count against its one miss, where a drafting run meets the miss once in every few steps. Its figures
+    still count for the drafter's pooled estimate (the evidence to leave the bit cap), and by its key where the step
+    drafts after all."""
     answer = list(range(100, 140))
     lk = ShadowLookup(answer, copied=set(range(10, 14)))  # right from position 10 to 13
     p = AdaptivePolicy({"lookup": lk}, k_max=4, cost_prior={"lookup": 0.0},

@@ -323,7 +323,7 @@ def test_exactness_is_validated():
 
 def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_path):
     """The probe measures, per batch size, the largest |Δlogit| between batched rows and one-token decodes (0 up
-    to the exact batch), caches it with the exact batch, and re-measures an entry from before deviations."""
+    to the exact batch), caches it with the exact batch, and re-measures an entry that holds the exact batch alone."""
     import json
 
     import localspec.core.exactness as ex
@@ -345,7 +345,7 @@ def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_pa
         (key, entry), = db.items()
         assert entry["batch"] == best and entry["model"] == str(target_path.resolve()) and entry["long_prefix"] is True
         assert [p["deviation"] for p in ex.cached_probes()] == [dev]
-        (tmp_path / ex.CACHE_FILE).write_text(json.dumps({key: best}))  # what localspec stored before deviations
+        (tmp_path / ex.CACHE_FILE).write_text(json.dumps({key: best}))  # an entry with the exact batch alone
         assert ex.deviation(m, 6) == dev and calls == [6, 6]
         assert not [p for p in tmp_path.iterdir() if p.name not in (ex.CACHE_FILE, "locks")]  # no temp files left behind
 
@@ -387,8 +387,8 @@ def test_gpu_layers_default_to_all_when_there_is_a_gpu(target_path, monkeypatch)
 
 
 def test_auto_exactness_leaves_the_bit_cap_when_a_bigger_k_pays(target_path, monkeypatch):
-    """`auto` as shipped stayed at k<=2 (the bit cap) where native lookup's k=3 paid 1.3x; now the controller moves
-    to lossless once its cost model says a k above the cap pays, says why, and the output stays the target's.
+    """`auto` does not stay at k<=2 (the bit cap) where a bigger k pays: the controller moves to lossless once its
+    cost model says a k above the cap pays, says why, and the output stays the target's.
     The drafter is a free oracle (it proposes plain decoding's own continuation), so acceptance is certain."""
     import localspec.core.exactness as ex
     from localspec.drafters.base import Drafter, Proposal

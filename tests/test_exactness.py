@@ -37,7 +37,7 @@ def test_the_engine_reads_the_calibration_once(target_path, tmp_path, monkeypatc
 
 
 def test_one_exactness_probe_per_model(target_path, monkeypatch):
-    """Issue 19 item 6: the probe runs once (batches up to max(k + 1, 9)); smaller k are derived from it, a larger
+    """The probe runs once (batches up to max(k + 1, 9)); smaller k are derived from it, a larger
     k re-probes once."""
     import localspec.core.exactness as ex
     from localspec.core.engine import Engine, GenConfig
@@ -89,10 +89,10 @@ def test_the_probe_is_cancellable(target_path, tmp_path, monkeypatch):
 
 
 def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
-    """A 2-core AMD EPYC's calibration said 5-9 rows cost 2.5-4.2 one-token decodes where they cost 3.4-5.0: the
-    sizes were timed one after the other, so a slow first second (a busy neighbour, kernels warming up) inflated only
-    the small batches, and the ratio of everything else to them came out low. The controller kept that for good and
-    drafted where it lost. On a fake clock whose first 15 decodes run 1.5x slower, the ratios must come out right."""
+    """Batch sizes timed one after the other would let a slow first second (a busy neighbour, kernels warming up)
+    inflate only the small batches, and the ratio of everything else to them would come out low (on a 2-core AMD
+    EPYC: 5-9 rows at 2.5-4.2 one-token decodes where they cost 3.4-5.0), a figure the controller keeps and drafts
+    on. On a fake clock whose first 15 decodes run 1.5x slower, the ratios must come out right."""
     from types import SimpleNamespace
 
     from localspec.core import exactness as X

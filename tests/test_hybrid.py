@@ -209,7 +209,7 @@ def test_methods_equal_plain_decoding(recurrent, hybrid_draft_path, monkeypatch)
 
 
 def test_hybrid_draft_for_a_transformer_target(target_path, hybrid_path):
-    """Item 4: the draft model may be hybrid (Qwen3.5-0.8B for a dense target): it rolls back by checkpoint."""
+    """The draft model may be hybrid (Qwen3.5-0.8B for a dense target): it rolls back by checkpoint."""
     e = Engine.load(target_path, hybrid_path, n_ctx=CTX, threads=1)
     try:
         prompt = e.raw_prompt(PROMPTS[1])

@@ -67,8 +67,8 @@ def test_the_text_renderings_use_the_same_figures():
 
 
 def test_the_agreement_check_catches_a_disagreement():
-    """The check above, fed a rendering that disagrees (the chat history used to store the resolved method
-    "auto" and the display's rate, which is None under 50 ms), fails."""
+    """The check above, fed a rendering that disagrees (a history that stores the requested method "auto" and
+    the display's rate, which is None under 50 ms), fails."""
     st = sample_stats()
     r = renderings(st)
     r["history"] = {**r["history"], "method": st.method, "tokens_per_second": st.rate()}
@@ -101,8 +101,8 @@ def test_the_front_ends_render_through_the_report():
 
 
 def test_the_recent_rate_reads_while_the_generation_thread_appends():
-    """The TUI's timer reads recent_rate() while the engine's thread emits tokens; iterating the live deque raised
-    "deque mutated during iteration" (a clean-clone CI run of test_tui, once)."""
+    """The TUI's timer reads recent_rate() while the engine's thread emits tokens: it never iterates the live deque
+    (that raises "deque mutated during iteration")."""
     import sys
     import threading
     import time

@@ -210,10 +210,10 @@ def test_serve_kv_layout_is_checked_before_anything_loads(target_path, tmp_path)
 @pytest.mark.parametrize("parallel,method", [("4", "lookup"), ("1", "auto")])
 def test_serve_probes_and_calibrates_before_it_says_ready_and_a_second_start_reads_the_cache(target_path, tmp_path,
                                                                                             parallel, method):
-    """The batch exactness probe and the verify-cost calibration ran after the ready line, on every start: the
-    first request waited for them (seconds of decodes, in neither the log nor its ttft_s) while /health said ok.
-    They run before the ready line, cached per model and build: a second start measures nothing. (One request at a
-    time, the calibration is what method auto's controller starts from.)"""
+    """The batch exactness probe and the verify-cost calibration run before the ready line (after it, the first
+    request would wait for them, seconds of decodes in neither the log nor its ttft_s, while /health says ok),
+    cached per model and build: a second start measures nothing. (One request at a time, the calibration is what
+    method auto's controller starts from.)"""
     env = server_env(tmp_path / "cfg") | {"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}
     batched = parallel != "1"
     layouts = []
