@@ -28,7 +28,8 @@ EXPLORE_EVERY = 8  # every so many steps, try one draft token more than the best
 RECHECK_EVERY = 4 * PROBE_EVERY  # a drafter that looks hopeless is still probed this often: its figures may be stale
 DEFAULT_DRAFT_COST = 0.5  # draft cost per token in target steps, for a drafter that does not say
 SWITCH_MARGIN = 1.05  # exactness auto leaves the bit cap only for a k that pays this much more than the cap allows
-SWITCH_EVIDENCE = 6.0  # ... judged on an estimate with at least this many (decayed) observations
+SWITCH_EVIDENCE = 4.0  # ... judged on an estimate with at least this many (decayed) observations
+SWITCH_EVIDENCE_CHEAP = 1.5  # ... where a verify one row wider than the cap allows costs no more
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
 SHADOW_MAX = 16  # a free drafter's shadow proposals waiting for the tokens that judge them (older ones are dropped)
 
@@ -216,6 +217,11 @@ class AdaptivePolicy:
         if verify_prior:
             self.curve.prior = dict(verify_prior)
         self.est: dict[str, DrafterEstimate] = st["est"]
+        cap = self.bit_cap
+        narrow, wide = (self.curve.prior.get(cap + 1), self.curve.prior.get(cap + 2)) if cap else (None, None)
+        # a verify one row wider costs no more on this machine (kernels that change with the batch width): at any
+        # acceptance one more draft token gives more tokens per second, so the cap is left on less evidence
+        self.switch_evidence = SWITCH_EVIDENCE_CHEAP if narrow and wide and wide <= narrow else SWITCH_EVIDENCE
         self.step = 0
         self.since_used = {name: 0 for name in drafters}
         self.last_choice = ("none", 0, 0.0)
@@ -293,7 +299,7 @@ class AdaptivePolicy:
                     # the evidence is the drafter's own (every key's steps): a copy that moved from a short-match
                     # key to a long one had shown lookup paying, but each key alone had too few steps to say so
                     seen = self.est[name].tried
-                    if seen and seen[0] >= SWITCH_EVIDENCE:
+                    if seen and seen[0] >= self.switch_evidence:
                         self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
                                          f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
                         self.bit_cap = None
