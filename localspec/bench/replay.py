@@ -166,7 +166,7 @@ def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
     configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
                "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
     for name in recorded_sources(traces):
-        longest = min(max((len(p) for p in tr["proposals"][name]), default=0) for tr in traces)
+        longest = max((len(p) for tr in traces for p in tr["proposals"][name]), default=0)
         configs.update({f"{name} k={k}": fixed_recorded(name, k, draft_cost) for k in (1, 2, 3, 4, 8) if k <= longest})
         configs[f"auto+{name} (lossless)"] = auto_recorded(name, curve, min(max(longest, 1), 8), None, draft_cost)
     base = {tr["id"]: replay(tr, plain(), curve, n)["rate"] for tr in traces}
