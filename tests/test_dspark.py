@@ -298,3 +298,21 @@ def test_acceptance_per_drafted_token_matches_llama_cpp(heads_dir, bigram, which
         e.close()
     assert nat[0] > 0 and loc[0] > 0
     assert abs(loc[1] / loc[0] - nat[1] / nat[0]) <= 0.03, (loc, nat)
+
+
+def test_run_json_names_the_head_that_drafted(bigram, dspark_agree):
+    """`run --json` says which kind of drafting ran: a DSpark file drafts as --method dflash, and the report names it."""
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.core.report import run_json as result_json
+
+    e = Engine.load(bigram, dspark_agree, n_ctx=512)
+    try:
+        cfg = GenConfig(method="dflash", k=4, max_tokens=N)
+        fin = e.complete(e.raw_prompt(PROMPTS[0]), cfg)
+        d = result_json(fin, fin.stats, e, cfg)
+        assert d["draft_kind"] == "head" and d["draft_head"] == "DSpark" and d["steps_by_method"].get("dflash")
+        none = GenConfig(method="none", max_tokens=8)
+        fin = e.complete(e.raw_prompt(PROMPTS[0]), none)
+        assert result_json(fin, fin.stats, e, none)["draft_head"] is None  # nothing drafted
+    finally:
+        e.close()

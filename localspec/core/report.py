@@ -86,7 +86,16 @@ def run_json(fin, stats: Stats | None, engine, cfg, interrupted: bool = False, t
         "draft_dropped": engine.dropped_draft,
         # how the draft drafts: same-vocab, cross-vocab (through text), head; None without a draft
         "draft_kind": getattr(engine, "draft_kind", None),
+        # the draft head that drafted (EAGLE-3, MTP, DFlash, DSpark: a DSpark file runs as --method dflash)
+        "draft_head": head_title(engine, stats),
     }
+
+
+def head_title(engine, stats: Stats) -> str | None:
+    """The name of the draft head this run drafted with, or None (no head drafted)."""
+    heads = getattr(engine, "heads", None) or {}
+    used = [m for m, n in stats.method_used.items() if n and m in heads]
+    return ", ".join(getattr(heads[m], "title", m) for m in used) or None
 
 
 def openai_usage(stats: Stats) -> dict:

@@ -36,6 +36,7 @@ def top10_p(row: np.ndarray) -> float:
 class Eagle3Drafter(HeadFileDrafter):
     head_kind = "eagle3"
     name = "eagle3"
+    title = "EAGLE-3"  # the head's name in messages
     prior_alpha = 0.6
 
     def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:

@@ -38,6 +38,7 @@ from localspec.llama.headarchs import CHAIN_MTP_ARCHS as CHAIN_ARCHS
 
 class MtpDrafter(Drafter):
     name = "mtp"
+    title = "MTP"  # the target's own multi-token-prediction layers
     prior_alpha = 0.7
 
     def __init__(self, target, *, p_min: float = 0.75, cost: float | None = None) -> None:
