@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import write_bigram_target, write_dflash, write_dspark
+from tinyheads import N, PROMPTS, check_block_head_in_auto_and_long_prompts, plain_tokens, write_bigram_target, \
+    write_dflash, write_dspark
 
-PROMPTS = ["the cat and the dog", "def f(x): return x", "Once upon a time"]
-N = 40
 NATIVE = Path.home() / ".cache" / "localspec-anchor" / "build" / "bin" / "llama-speculative-simple"
 
 
@@ -54,14 +53,7 @@ def dspark_random(heads_dir) -> Path:
     return write_dspark(heads_dir / "dspark-random.gguf", 11)
 
 
-def _plain(path, prompt, n=N):
-    from localspec.core.engine import Engine, GenConfig
-
-    e = Engine.load(path, n_ctx=512)
-    try:
-        return e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=n)).tokens
-    finally:
-        e.close()
+_plain = plain_tokens
 
 
 def _run(engine, prompt, n=N, **kw):
@@ -182,30 +174,9 @@ def test_the_block_layout_caps_k(heads_dir, bigram, anchor, k_max):
 
 
 def test_auto_long_prompt_and_sampling(bigram, dspark_agree):
-    from localspec.core.engine import Engine, GenConfig
     from localspec.drafters.dspark import DSparkDrafter
-    from localspec.llama.model import Model
-    from localspec.sample.sampling import SamplingParams
 
-    e = Engine.load(bigram, dspark_agree, n_ctx=512)
-    try:
-        cfg = GenConfig(method="auto", max_tokens=N, k=8, exactness="lossless")
-        assert "dflash" in e.drafters_for(cfg, "auto")
-        assert e.complete(e.raw_prompt(PROMPTS[2]), cfg).tokens == _plain(bigram, PROMPTS[2])
-    finally:
-        e.close()
-    t = Model(bigram, n_ctx=512, n_batch=16)
-    e = Engine(t)
-    e.heads["dflash"] = DSparkDrafter.load(t, dspark_agree)
-    try:
-        text = " ".join(PROMPTS * 3)
-        assert len(e.raw_prompt(text)) > 16  # the hook sees only the last chunk's hidden states
-        r = _run(e, text)
-        assert r.tokens == _plain(bigram, text) and r.stats.accepted > 0
-        r = _run(e, text, sampling=SamplingParams(temperature=0.8, seed=5))
-        assert len(r.tokens) == N and r.stats.accepted > 0
-    finally:
-        e.close()
+    check_block_head_in_auto_and_long_prompts(bigram, dspark_agree, DSparkDrafter, 8)
 
 
 # ----------------------------------------------------------------- refusals

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import (write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp,
-                       write_qwen35_mtp)
+from tinyheads import (N, PROMPTS, check_block_head_in_auto_and_long_prompts, plain_tokens, write_bigram_target,
+                       write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp, write_qwen35_mtp)
 from tinymodels import greedy_margins, write_model
 
 
@@ -25,8 +25,6 @@ def _no_cost_calibration(monkeypatch):
     it leaked into every test collected after it)."""
     monkeypatch.setenv("LOCALSPEC_NO_COST_CALIBRATION", "1")
 
-PROMPTS = ["the cat and the dog", "def f(x): return x", "Once upon a time"]
-N = 40
 
 
 @pytest.fixture(scope="module")
@@ -62,17 +60,9 @@ def agreeing_head(heads_dir) -> Path:
     return write_eagle3(heads_dir / "eagle3-agree.gguf", 3, agree_with=7)
 
 
-def _plain(path, prompt, n=N):
-    from localspec.core.engine import Engine, GenConfig
-
-    e = Engine.load(path, n_ctx=512)
-    try:
-        return e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=n)).tokens
-    finally:
-        e.close()
+_plain = plain_tokens
 
 
-# ----------------------------------------------------------------- the build
 def test_struct_offsets_match_llama_h():
     """llama-cpp-python's ctypes structs put the head fields where llama.h (0.3.36) does."""
     from localspec.llama import ext
@@ -499,32 +489,9 @@ def test_dflash_block_size_caps_k(heads_dir, bigram):
 
 
 def test_dflash_in_auto_long_prompt_and_sampling(bigram, dflash_agree):
-    from localspec.core.engine import Engine, GenConfig
-    from localspec.sample.sampling import SamplingParams
     from localspec.drafters.dflash import DFlashDrafter
-    from localspec.llama.model import Model
 
-    e = Engine.load(bigram, dflash_agree, n_ctx=512)
-    try:
-        cfg = GenConfig(method="auto", max_tokens=N, k=3, exactness="lossless")
-        assert "dflash" in e.drafters_for(cfg, "auto")
-        assert e.complete(e.raw_prompt(PROMPTS[2]), cfg).tokens == _plain(bigram, PROMPTS[2])
-    finally:
-        e.close()
-    t = Model(bigram, n_ctx=512, n_batch=16)
-    e = Engine(t)
-    e.heads["dflash"] = DFlashDrafter.load(t, dflash_agree)
-    try:
-        text = " ".join(PROMPTS * 3)
-        prompt = e.raw_prompt(text)
-        assert len(prompt) > 16  # the hook sees only the last chunk's hidden states
-        r = e.complete(prompt, GenConfig(method="dflash", max_tokens=N, k=3, p_min=0.0, exactness="lossless"))
-        assert r.tokens == _plain(bigram, text) and r.stats.accepted > 0
-        r = e.complete(prompt, GenConfig(method="dflash", max_tokens=N, k=3, p_min=0.0, exactness="lossless",
-                                         sampling=SamplingParams(temperature=0.8, seed=5)))
-        assert len(r.tokens) == N and r.stats.drafted > 0
-    finally:
-        e.close()
+    check_block_head_in_auto_and_long_prompts(bigram, dflash_agree, DFlashDrafter, 3)
 
 
 def test_dflash_flags_leave_target_logits_bit_identical(random4, dflash_random):

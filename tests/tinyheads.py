@@ -17,6 +17,51 @@ import numpy as np
 from tinymodels import CHATML, vocab, vocab_kv
 
 N_SPECIAL = 5  # <unk> <s> </s> <|im_start|> <|im_end|>: never generated
+PROMPTS = ["the cat and the dog", "def f(x): return x", "Once upon a time"]  # the head tests' prompts
+N = 40  # ... and answer length
+
+
+def plain_tokens(path, prompt, n=N):
+    """The target's own greedy answer (one token a step, nothing drafted)."""
+    from localspec.core.engine import Engine, GenConfig
+
+    e = Engine.load(path, n_ctx=512)
+    try:
+        return e.complete(e.raw_prompt(prompt), GenConfig(method="none", max_tokens=n)).tokens
+    finally:
+        e.close()
+
+
+def check_block_head_in_auto_and_long_prompts(bigram, head_path, drafter_cls, k: int) -> None:
+    """A DFlash-kind head (`--method dflash`): auto offers it and keeps plain decoding's text; a prompt longer than
+    n_batch (the hook sees only the last chunk's hidden states) keeps it too, with drafts accepted; sampling drafts."""
+    from dataclasses import replace
+
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.llama.model import Model
+    from localspec.sample.sampling import SamplingParams
+
+    e = Engine.load(bigram, head_path, n_ctx=512)
+    try:
+        cfg = GenConfig(method="auto", max_tokens=N, k=k, exactness="lossless")
+        assert "dflash" in e.drafters_for(cfg, "auto")
+        assert e.complete(e.raw_prompt(PROMPTS[2]), cfg).tokens == plain_tokens(bigram, PROMPTS[2])
+    finally:
+        e.close()
+    t = Model(bigram, n_ctx=512, n_batch=16)
+    e = Engine(t)
+    e.heads["dflash"] = drafter_cls.load(t, head_path)
+    try:
+        text = " ".join(PROMPTS * 3)
+        prompt = e.raw_prompt(text)
+        assert len(prompt) > 16
+        cfg = GenConfig(method="dflash", max_tokens=N, k=k, p_min=0.0, exactness="lossless")
+        r = e.complete(prompt, cfg)
+        assert r.tokens == plain_tokens(bigram, text) and r.stats.accepted > 0
+        r = e.complete(prompt, replace(cfg, sampling=SamplingParams(temperature=0.8, seed=5)))
+        assert len(r.tokens) == N and r.stats.drafted > 0
+    finally:
+        e.close()
 
 
 def _finish(wr):
