@@ -779,9 +779,9 @@ def test_the_details_panel_says_which_kind_of_drafting_ran_and_each_sources_figu
             panel.draft_kind = "cross-vocab"
             st = Stats(method="auto")
             for source, (d, a) in (("draft", (4, 3)), ("lookup", (2, 2)), ("draft", (2, 1))):
-                st.record_step(d, a)
+                st.record_step(d, a, source)
                 st.method_used[source] += 1
-            panel.update_stats(st, sources={"draft": (6, 4), "lookup": (2, 2)})
+            panel.update_stats(st)
             await pilot.press("f3")
             await pilot.pause(0.1)
             assert "drafting         through text" in lines_of(app.query_one("#figures"))
@@ -791,9 +791,9 @@ def test_the_details_panel_says_which_kind_of_drafting_ran_and_each_sources_figu
                                              " lookup model-free            2/2 100%"]
             panel.draft_kind = None  # a head given with -d, and no draft at all
             st2 = Stats(method="eagle3")
-            st2.record_step(3, 3)
+            st2.record_step(3, 3, "eagle3")
             st2.method_used["eagle3"] += 1
-            panel.update_stats(st2, sources={"eagle3": (3, 3)})
+            panel.update_stats(st2)
             await pilot.pause(0.1)
             assert "drafting         head" in lines_of(app.query_one("#figures"))
             panel.update_stats(Stats(method="none"))
@@ -878,7 +878,7 @@ def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, 
                 told.clear()
                 await answer(pilot, prompt)
                 st = app.engine.last_stats
-                assert panel.sources == told
+                assert panel.sources(st) == told
                 assert sum(d for d, _ in told.values()) == st.drafted
                 assert sum(a for _, a in told.values()) == st.accepted
                 seen |= set(told)

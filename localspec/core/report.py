@@ -35,6 +35,7 @@ def figures(stats: Stats) -> dict:
         "draft_s": stats.draft_s,
         "verify_s": stats.verify_s,
         "steps_by_method": dict(stats.method_used),
+        "sources": sources(stats),
         "steps_by_k": {str(k): v for k, v in sorted(stats.k_used.items())},
         "k_in_use": stats.k_cap,
         "exactness": stats.exactness,
@@ -53,6 +54,13 @@ def figures(stats: Stats) -> dict:
         "draft_restores": stats.draft_restores,
         "draft_replayed_tokens": stats.draft_replayed_tokens,
     }
+
+
+def sources(stats: Stats) -> dict:
+    """Per drafting source (lookup, suffix, draft, a head): its drafting steps, tokens drafted and accepted, and
+    their acceptance."""
+    return {m: {"steps": n, "drafted": d, "accepted": a, "acceptance": round(a / d, 4) if d else None}
+            for m, (n, d, a) in stats.by_source().items()}
 
 
 def rollback_text(stats: Stats) -> str | None:

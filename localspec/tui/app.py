@@ -22,7 +22,6 @@ from localspec.tui.history import ChatHistory
 from localspec.tui.messages import Done, Failed, Loaded, LoadFailed, Notice, Token, Warmed
 from localspec.tui.notes import answer_note, compare_note, stats_record
 from localspec.tui.screens.confirm import ConfirmScreen
-from localspec.tui.sources import SourceTally
 from localspec.tui.widgets.header_bar import HeaderBar
 from localspec.tui.widgets.message import MessageView
 from localspec.tui.widgets.prompt_box import PromptBox
@@ -307,14 +306,12 @@ class LocalspecApp(ChatHistory, App):
             with self._engine_lock:
                 engine = self.engine
                 tokens = engine.chat_prompt(messages)
-                tally = SourceTally()
                 with generation_slot(waiting=lambda m: self.post_message(Notice(m))):
                     for ev in engine.generate(tokens, cfg, cancel=self._cancel):
-                        tally.see(engine.last_stats)  # on this thread, between the engine's steps
                         if isinstance(ev, Finished):
-                            self.post_message(Done(view, ev, compare_with, cfg, tally.snapshot()))
+                            self.post_message(Done(view, ev, compare_with, cfg))
                         else:
-                            self.post_message(Token(view, ev.text, ev.drafted, engine.last_stats, tally.snapshot()))
+                            self.post_message(Token(view, ev.text, ev.drafted, engine.last_stats))
         except LocalspecError as exc:
             self.post_message(Failed(view, str(exc)))
         except Exception as exc:
@@ -333,7 +330,7 @@ class LocalspecApp(ChatHistory, App):
         if now - self._last_ui > 0.1:
             self._last_ui = now
             msg.view.flush()
-            self.query_one(StatsPanel).update_stats(msg.stats, sample=False, sources=msg.sources)  # sparkline: tick()
+            self.query_one(StatsPanel).update_stats(msg.stats, sample=False)  # sparkline: tick()
             self.query_one(Transcript).scroll_end(animate=False)
 
     @on(Done)
@@ -354,7 +351,7 @@ class LocalspecApp(ChatHistory, App):
             self.last_result = (fin, msg.cfg)
             self.finish_stored_answer(fin.text, state, stats_record(st))
         msg.view.finish(note)
-        self.query_one(StatsPanel).update_stats(st, sources=msg.sources)
+        self.query_one(StatsPanel).update_stats(st)
         self.query_one(Transcript).scroll_end(animate=False)
 
     @on(Failed)

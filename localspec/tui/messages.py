@@ -21,22 +21,18 @@ class LoadFailed(Message):
 
 
 class Token(Message):
-    """A piece of the answer streaming into `view` (`drafted`: it came from an accepted draft token); `sources`:
-    drafted and accepted tokens per drafting source so far (sources.SourceTally)."""
+    """A piece of the answer streaming into `view` (`drafted`: it came from an accepted draft token)."""
 
-    def __init__(self, view, text: str, drafted: bool, stats, sources: dict | None = None) -> None:
+    def __init__(self, view, text: str, drafted: bool, stats) -> None:
         self.view, self.text, self.drafted, self.stats = view, text, drafted, stats
-        self.sources = sources
         super().__init__()
 
 
 class Done(Message):
-    """The answer in `view` is finished; `compare_with`: the (result, config) a /compare rerun is measured against;
-    `sources`: drafted and accepted tokens per drafting source over the answer."""
+    """The answer in `view` is finished; `compare_with`: the (result, config) a /compare rerun is measured against."""
 
-    def __init__(self, view, result, compare_with=None, cfg=None, sources: dict | None = None) -> None:
+    def __init__(self, view, result, compare_with=None, cfg=None) -> None:
         self.view, self.result, self.compare_with, self.cfg = view, result, compare_with, cfg
-        self.sources = sources
         super().__init__()
 
 

@@ -45,7 +45,6 @@ class StatsPanel(Vertical):
         self.rates: list[float] = []
         self.memory: dict[str, int] = {}
         self.last = None
-        self.sources: dict[str, tuple[int, int]] = {}  # the answer's (drafted, accepted) per drafting source
         self.draft_kind: str | None = None  # the loaded engine's draft_kind (run --json's field)
 
     def compose(self):
@@ -70,15 +69,10 @@ class StatsPanel(Vertical):
         if self.last is not None:
             self.update_stats(self.last, sample=False)
 
-    def update_stats(self, stats, sample: bool = True, sources: dict | None = None) -> None:
+    def update_stats(self, stats, sample: bool = True) -> None:
         """Show `stats`; `sample`: add the recent rate to the sparkline (the app calls this twice a second while
-        an answer streams, and once at its end); `sources`: (drafted, accepted) per drafting source so far (None: as
-        last given)."""
-        if stats is not self.last:
-            self.sources = {}
+        an answer streams, and once at its end)."""
         self.last = stats
-        if sources is not None:
-            self.sources = sources
         if sample and self.show_timings:
             recent = stats.recent_rate()
             if recent is not None:
@@ -114,11 +108,17 @@ class StatsPanel(Vertical):
         used = stats.main_method
         return "none" if used == "none" else source_kind(used, self.draft_kind)
 
-    def _sources(self) -> str:
-        if not self.sources:
+    @staticmethod
+    def sources(stats) -> dict[str, tuple[int, int]]:
+        """The answer's (drafted, accepted) tokens per drafting source (Stats.by_source)."""
+        return {m: (d or 0, a or 0) for m, (_, d, a) in stats.by_source().items()}
+
+    def _sources(self, stats) -> str:
+        sources = self.sources(stats)
+        if not sources:
             return "drafted by source  —\n"
         out = "drafted by source (accepted/drafted)\n"
-        for src, (d, a) in sorted(self.sources.items(), key=lambda kv: -kv[1][0]):
+        for src, (d, a) in sorted(sources.items(), key=lambda kv: -kv[1][0]):
             rate = f"{a / d:4.0%}" if d else "   —"
             out += f" {src:<7}{source_kind(src, self.draft_kind):<16}{f'{a}/{d}':>9} {rate}\n"
         return out
@@ -128,7 +128,7 @@ class StatsPanel(Vertical):
         ks = ", ".join(f"{a}:{b}" for a, b in sorted(stats.k_used.items())) or "-"
         mal = f"{stats.mean_accepted_length:.2f}" if stats.drafting_steps else "—"
         out = Text(no_wrap=False)
-        out.append(self._sources())
+        out.append(self._sources(stats))
         out.append("acceptance by draft position\n")
         for i, a in enumerate(stats.acceptance_by_position[:8]):
             out.append(f" {i + 1:>2} {_bar(a)} {a:.0%}\n")
