@@ -30,21 +30,24 @@ def model_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("models")
 
 
-def _pick(model_dir: Path, name: str, seeds) -> Path:
-    """First seed whose plain greedy decoding keeps a wide top-2 margin on every test prompt."""
+def wide_margin_model(path_for, write, seeds, prompts, n: int, min_margin: float, **model_kw) -> Path:
+    """`write(path_for(seed), seed)` for the first of `seeds` whose plain greedy decoding keeps a top-2 logit margin
+    of `min_margin` or more over `n` tokens of every prompt (`model_kw`: the Model's, to measure it)."""
     from localspec.llama.model import Model
+
     for seed in seeds:
-        path = write_model(model_dir / f"{name}.gguf", seed)
-        with Model(path, n_ctx=1024) as m:
-            margins = [greedy_margins(m, m.tokenize(p), N_EXACT + 40)[1] for p in PROMPTS]
-        if min(margins) >= MIN_MARGIN:
+        path = write(path_for(seed), seed)
+        with Model(path, **model_kw) as m:
+            margins = [greedy_margins(m, m.tokenize(p), n)[1] for p in prompts]
+        if min(margins) >= min_margin:
             return path
-    raise RuntimeError(f"no seed in {seeds} gives margins >= {MIN_MARGIN}")
+    raise RuntimeError(f"no seed in {seeds} gives margins >= {min_margin}")
 
 
 @pytest.fixture(scope="session")
 def target_path(model_dir) -> Path:
-    return _pick(model_dir, "target", range(1, 40))
+    return wide_margin_model(lambda seed: model_dir / "target.gguf", write_model, range(1, 40), PROMPTS, N_EXACT + 40,
+                             MIN_MARGIN, n_ctx=1024)
 
 
 @pytest.fixture(scope="session")
@@ -116,16 +119,11 @@ def isolated_config(clean_config, tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def session(target_path, draft_path, tmp_path_factory):
     """A loaded Session on the tiny target and draft (draft, k 3), per test module: the server tests serve it."""
-    from helpers import CTX, clean_env
-    from localspec.session import Session
+    from helpers import CTX, loaded_session
 
-    with pytest.MonkeyPatch.context() as mp:
-        clean_env(mp, tmp_path_factory.mktemp("cfg"))
-        sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 3,
-                        "ctx_size": CTX}, quiet=True)
-        sess.load()
+    with loaded_session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 3,
+                         "ctx_size": CTX}, tmp_path_factory.mktemp("cfg")) as sess:
         yield sess
-        sess.close()
 
 
 @pytest.fixture(scope="module")
@@ -148,33 +146,34 @@ def env(tmp_path, monkeypatch):
     return tmp_path
 
 
-def check_cancel_mid_batch(engine, batch, cfg, steps: int) -> None:
-    """Four PROMPTS in `batch`, request 1 cancelled after `steps` steps: it ends "cancelled" with a prefix of its
-    answer alone (its streamed pieces adding up to its text), and the other three answer as alone."""
+def check_cancel_mid_batch(engine, batch, requests, steps: int, which: int = 1) -> None:
+    """The requests `requests()` gives ((prompt text, GenConfig) each; a call gives new configs, as a grammar is
+    consumed by the run that uses it) in `batch`, request `which` cancelled after `steps` steps: it ends "cancelled"
+    with a prefix of its answer alone (its streamed pieces adding up to its text), and the others answer as alone."""
     import threading
 
     from localspec.core.engine import Finished, Piece
 
-    seq = [engine.complete(engine.raw_prompt(p), cfg) for p in PROMPTS]
+    seq = [engine.complete(engine.raw_prompt(p), c) for p, c in requests()]
     stop = threading.Event()
     results, pieces = {}, []
-    for i, p in enumerate(PROMPTS):
+    for i, (p, c) in enumerate(requests()):
         def sink(ev, i=i):
             if isinstance(ev, Finished):
                 results[i] = ev
-            elif isinstance(ev, Piece) and i == 1:
+            elif isinstance(ev, Piece) and i == which:
                 pieces.append(ev.text)
-        batch.add(engine.raw_prompt(p), cfg, cancel=stop if i == 1 else None, sink=sink)
+        batch.add(engine.raw_prompt(p), c, cancel=stop if i == which else None, sink=sink)
     for _ in range(steps):
         batch.step()
     stop.set()
     while batch.active:
         batch.step()
-    assert results[1].finish_reason == "cancelled"
-    assert 0 < len(results[1].tokens) < len(seq[1].tokens)
-    assert results[1].tokens == seq[1].tokens[:len(results[1].tokens)]
-    assert "".join(pieces) == results[1].text
-    for i in (0, 2, 3):
+    assert results[which].finish_reason == "cancelled"
+    assert 0 < len(results[which].tokens) < len(seq[which].tokens)
+    assert results[which].tokens == seq[which].tokens[:len(results[which].tokens)]
+    assert "".join(pieces) == results[which].text
+    for i in set(range(len(seq))) - {which}:
         assert results[i].tokens == seq[i].tokens
         assert results[i].finish_reason == seq[i].finish_reason
 

@@ -22,8 +22,9 @@ import uvicorn
 
 from tinymodels import CHATML, TOOL_TEMPLATE
 
-# LOCALSPEC_* variables a test keeps from the environment it runs in: the suite's cache and the real models' folder
-KEPT_ENV = ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS")
+# LOCALSPEC_* variables a test keeps from the environment it runs in: the suite's cache and data dirs (so no test
+# writes into the user's) and the real models' folder
+KEPT_ENV = ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_DATA_DIR", "LOCALSPEC_TEST_MODELS")
 
 
 # ------------------------------------------------------------------ the CLI
@@ -83,11 +84,81 @@ def clean_env(mp, cfg_dir) -> None:
     mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
 
 
+@contextlib.contextmanager
+def loaded_session(settings: dict, cfg_dir):
+    """A Session with `settings`, loaded under clean_env (no LOCALSPEC_* setting from the caller's environment, the
+    config in `cfg_dir`); closed at the end of the block."""
+    import pytest
+
+    from localspec.session import Session
+
+    with pytest.MonkeyPatch.context() as mp:
+        clean_env(mp, cfg_dir)
+        sess = Session(settings, quiet=True)
+        try:
+            sess.load()
+            yield sess
+        finally:
+            sess.close()
+
+
 def start_long(model, *extra) -> subprocess.Popen:
     """`run` on `model` (see the long_model fixture) asked for 8000 tokens: a generation a test stops midway."""
     return subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(model), "-c", "8192", "-n", "8000",
                              "--method", "lookup", "--raw", *extra, "the cat"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
+
+
+# ------------------------------------------------------------------ generations
+def gen_config(method="draft", max_tokens=100, k=4, **kw):
+    """A GenConfig for `method` at draft length `k`, `max_tokens` long; `kw`: its other fields."""
+    from localspec.core.engine import GenConfig
+
+    return GenConfig(method=method, k=k, max_tokens=max_tokens, **kw)
+
+
+def alone(engine, prompt, cfg):
+    """`engine`'s answer to `prompt` (text, or tokens) on its single-sequence path: what a batched request must
+    give."""
+    return engine.complete(engine.raw_prompt(prompt) if isinstance(prompt, str) else list(prompt), cfg)
+
+
+def second_tokens(engine, prompt: list[int], method: str, seed0: int, n: int, **kw):
+    """`n` answers of 3 tokens sampled at temperature 1 (seeds seed0, seed0 + 1, ...), whose 2nd and 3rd tokens
+    come from one speculative step with k = 1: (how often each 2nd token came, -1 where the answer ended first;
+    tokens drafted; tokens accepted) over all of them. `kw`: the GenConfig's other fields."""
+    from localspec.core.engine import GenConfig
+    from localspec.sample.sampling import SamplingParams
+
+    counts, drafted, accepted = {}, 0, 0
+    for i in range(n):
+        r = engine.complete(prompt, GenConfig(method=method, k=3, max_tokens=3,
+                                              sampling=SamplingParams(temperature=1.0, seed=seed0 + i), **kw))
+        key = r.tokens[1] if len(r.tokens) > 1 else -1
+        counts[key] = counts.get(key, 0) + 1
+        drafted += r.stats.drafted
+        accepted += r.stats.accepted
+    return counts, drafted, accepted
+
+
+def assert_same_distribution(a: dict, b: dict) -> None:
+    """Chi-square homogeneity of two samples' counts over the outcomes seen 20 times or more in both together: at
+    least 4 such outcomes, and chi-square under its mean + 4.5 standard deviations + 10 (a loose bound that still
+    fails a wrong acceptance rule: test_verify.py)."""
+    import numpy as np
+
+    keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
+    chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
+    dof = len(keys) - 1
+    assert dof >= 3
+    assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+
+
+# A verify row equals the one-token decode of its position only up to llama.cpp's float order: on CPU the KV view
+# a decode attends over is padded differently when rows arrive in batches, which moves logits by up to ~5e-3 on the
+# tiny F16 model (also at exactness bit, whose probe compares batch shapes on one cache layout). Log-softmax moves
+# by at most twice that, so logprobs are compared within LOGPROB_TOL and tokens exactly.
+LOGPROB_TOL = 1e-2
 
 
 # ------------------------------------------------------------------ RPC workers
@@ -198,6 +269,39 @@ class Served:
 def post(s: Served, path, body, **headers):
     """A POST of `body` (a dict is sent as JSON) with `headers`: (status, headers, parsed JSON)."""
     return s.raw("POST", path, body if isinstance(body, (bytes, str)) else json.dumps(body), headers)
+
+
+def chat(prompt: str, **kw) -> dict:
+    """A chat completion request for `prompt`: greedy, 40 tokens unless `kw` says otherwise."""
+    return {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": 40, "temperature": 0, **kw}
+
+
+def completed(s: Served, body: dict) -> dict:
+    """The JSON answer of POST /v1/chat/completions `body`, which must succeed."""
+    status, _, data = post(s, "/v1/chat/completions", body)
+    assert status == 200, data
+    return data
+
+
+def text(r: dict) -> str:
+    """A chat completion's answer text."""
+    return r["choices"][0]["message"]["content"]
+
+
+def at_once(s: Served, bodies: list[dict]) -> list[dict]:
+    """Every chat completion of `bodies` sent at the same moment, one thread each: their answers, in order."""
+    out: list = [None] * len(bodies)
+    go = threading.Barrier(len(bodies))
+
+    def one(i):
+        go.wait()
+        out[i] = completed(s, bodies[i])
+    ths = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in ths:
+        t.start()
+    for t in ths:
+        t.join(120)
+    return out
 
 
 @contextlib.contextmanager

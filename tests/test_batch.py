@@ -1,24 +1,19 @@
 """Continuous batching (core/batch.py): several requests in one llama_decode give the texts they give alone."""
 
+import functools
 
 import numpy as np
 import pytest
 
 from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
+from helpers import alone, gen_config
 from localspec.core.batch import BatchEngine
-from localspec.core.engine import Engine, Finished, GenConfig, Piece
+from localspec.core.engine import Engine, Finished, Piece
 from localspec.sample.sampling import SamplingParams
 from localspec.errors import ContextOverflowError, UsageError
 
 N = 120
-
-
-def alone(engine, prompt, cfg):
-    return engine.complete(engine.raw_prompt(prompt), cfg)
-
-
-def cfg_for(method, **kw):
-    return GenConfig(method=method, k=kw.pop("k", 4), max_tokens=kw.pop("max_tokens", N), **kw)
+cfg_for = functools.partial(gen_config, max_tokens=N)
 
 
 def test_the_probe_says_batching_is_exact_on_the_tiny_model(batch, exact_batching):
@@ -108,7 +103,7 @@ def _start(batch, engine, prompts, cfgs, cancels=None):
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
-    check_cancel_mid_batch(engine, batch, cfg_for("lookup"), 12)
+    check_cancel_mid_batch(engine, batch, lambda: [(p, cfg_for("lookup")) for p in PROMPTS], 12)
 
 
 def test_a_long_prompt_joining_midway_does_not_corrupt_the_running_ones(engine, batch):
@@ -174,7 +169,6 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 def mixed(engine):
     """Four requests as agents send them: a JSON schema, a forced tool call, logprobs, and a plain one with a bias.
     Each call gives new configs (a grammar is consumed by the run that uses it)."""
-    pytest.importorskip("llguidance")
     from localspec.server.grammar import constraint_for
     from localspec.server.tools import choice_grammar
 
@@ -236,33 +230,12 @@ def test_logprobs_in_a_batch_are_the_rows_that_emitted_each_token(engine, batch)
 
 
 def test_a_grammar_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
-    import threading
-
-    reqs = mixed(engine)
-    seq = [alone(engine, p, c) for p, c in reqs]
-    stop = threading.Event()
-    results = {}
-    for i, (p, c) in enumerate(mixed(engine)):
-        def sink(ev, i=i):
-            if isinstance(ev, Finished):
-                results[i] = ev
-        batch.add(engine.raw_prompt(p), c, cancel=stop if i == 0 else None, sink=sink)
-    for _ in range(6):
-        batch.step()
-    stop.set()
-    while batch.active:
-        batch.step()
-    assert results[0].finish_reason == "cancelled"
-    assert results[0].tokens == seq[0].tokens[:len(results[0].tokens)]
-    for i in (1, 2, 3):
-        assert results[i].tokens == seq[i].tokens
+    check_cancel_mid_batch(engine, batch, lambda: mixed(engine), 6, which=0)
 
 
 def test_a_bias_that_leaves_no_token_the_grammar_allows_fails_that_request_only(engine, batch):
     """The request's own error reaches its sink; the others in the batch finish as alone."""
     from localspec.errors import SettingError
-
-    pytest.importorskip("llguidance")
     from localspec.server.grammar import constraint_for
 
     con = constraint_for({"type": "json_object"}, engine.target)

@@ -1,17 +1,19 @@
 """A draft model in a batch (core/batch_draft.py): every slot drafts with it, the draft decodes shared by all slots,
 and the texts stay those of the single-sequence Engine."""
 
-import os
+import functools
 
 import pytest
 
 from conftest import PROMPTS, check_cancel_mid_batch, require_exact_batching
+from helpers import alone, at_once, chat, completed, gen_config, loaded_session, serving, text
 from localspec.core.batch import BatchEngine
-from localspec.core.engine import Engine, GenConfig
+from localspec.core.engine import Engine
 from localspec.sample.sampling import SamplingParams
 from localspec.errors import UsageError
 
 N = 100
+cfg_for = functools.partial(gen_config, max_tokens=N)
 
 
 @pytest.fixture(scope="module")
@@ -22,14 +24,6 @@ def twin(target_path):
     yield e, b
     b.close()
     e.close()
-
-
-def cfg_for(method="draft", **kw):
-    return GenConfig(method=method, k=kw.pop("k", 4), max_tokens=kw.pop("max_tokens", N), **kw)
-
-
-def alone(engine, prompt, cfg):
-    return engine.complete(engine.raw_prompt(prompt) if isinstance(prompt, str) else list(prompt), cfg)
 
 
 def record_rows(monkeypatch, ms) -> list[dict[int, int]]:
@@ -117,7 +111,7 @@ def test_the_draft_model_decodes_once_per_round_for_all_slots(twin):
 
 
 def test_a_request_cancelled_mid_batch_leaves_the_others_unchanged(engine, batch):
-    check_cancel_mid_batch(engine, batch, cfg_for(), 10)
+    check_cancel_mid_batch(engine, batch, lambda: [(p, cfg_for()) for p in PROMPTS], 10)
 
 
 def test_a_continued_chat_catches_the_draft_up_from_its_slot(twin, monkeypatch):
@@ -165,37 +159,21 @@ def test_a_recurrent_draft_model_keeps_the_single_path(target_path, tmp_path):
         e.close()
 
 
-def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path, monkeypatch):
+def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path):
     """Through the server's queue: four concurrent `method draft` chats run in the batch, drafting there, and answer
     what they answer one at a time."""
-    pytest.importorskip("uvicorn")
-    from helpers import Served, running, server_env
-    from test_server_batch import at_once, chat, post, text
-    from localspec.server.app import create_app
     from localspec.server.config import ServerConfig
-    from localspec.session import Session
 
-    for key in list(os.environ):
-        if key.startswith("LOCALSPEC_") and key not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-            monkeypatch.delenv(key)
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path))
-    sess = Session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 4,
-                    "ctx_size": 1024}, quiet=True)
-    sess.load()
-    app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
-    try:
-        with running(app) as url:
-            s = Served(url, app, sess, server_env(tmp_path))
+    with loaded_session({"model": str(target_path), "draft": str(draft_path), "method": "draft", "draft_tokens": 4,
+                         "ctx_size": 1024}, tmp_path) as sess:
+        with serving(sess, ServerConfig(parallel=4, queue_size=8)) as s:
             bodies = [chat(p, max_tokens=30) for p in PROMPTS]
-            alone_ = [text(post(s, b)) for b in bodies]
-            steps0 = app.state.worker.batch.steps
+            alone_ = [text(completed(s, b)) for b in bodies]
+            steps0 = s.app.state.worker.batch.steps
             got = [text(r) for r in at_once(s, bodies)]
             assert got == alone_
-            batch = app.state.worker.batch
+            batch = s.app.state.worker.batch
             assert batch.steps > steps0 and batch.drafts.ms is not None  # decoded in the batch, drafted there
-    finally:
-        if app.state.worker.stop(timeout=30):
-            sess.close()
 
 
 def test_rejected_drafts_are_rolled_out_of_each_slots_draft_sequence(engine, batch):

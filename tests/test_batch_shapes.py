@@ -2,23 +2,18 @@
 streams as passes of consecutive sequences with equal rows each (multiseq.split_equal). The exactness probe
 decodes those shapes; a step pads its slots to one pass where that keeps each request's exactness."""
 
+import functools
+
 import numpy as np
 import pytest
 
 from conftest import PROMPTS, require_exact_batching
+from helpers import alone, gen_config
 from localspec.core.batch import BatchEngine
-from localspec.core.engine import GenConfig
 from localspec.llama.multiseq import split_equal
 
 N = 60
-
-
-def cfg_for(method, **kw):
-    return GenConfig(method=method, k=kw.pop("k", 4), max_tokens=kw.pop("max_tokens", N), **kw)
-
-
-def alone(engine, prompt_tokens, cfg):
-    return engine.complete(list(prompt_tokens), cfg)
+cfg_for = functools.partial(gen_config, max_tokens=N)
 
 
 def perturb_passes(ms, hit, eps=1e-3):

@@ -3,14 +3,13 @@ it, unmappable tokens end a proposal, never the answer."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from conftest import N_EXACT, PROMPTS
+from helpers import assert_same_distribution, second_tokens
 from tinymodels import WORDS, write_model
 from localspec.core.engine import Engine, GenConfig
 from localspec.models.gguf_header import read_file_metadata
-from localspec.sample.sampling import SamplingParams
 
 # the target's words with the last two changed: the same weights (write_model draws them by shape), another vocabulary
 NEAR_WORDS = WORDS[:-2] + ["ta", "no"]
@@ -109,24 +108,11 @@ def test_sampled_cross_vocab_keeps_the_target_distribution(target_path, near_pat
     e = Engine.load(target_path, near_path, n_ctx=256)
     try:
         prompt = e.raw_prompt("def f(x): return x")
-        sp = lambda s: SamplingParams(temperature=1.0, seed=s)  # noqa: E731
-
-        def hist(method, seed0, n):
-            c, drafted = {}, 0
-            for i in range(n):
-                r = e.complete(prompt, GenConfig(method=method, k=3, max_tokens=3, p_min=0,
-                                                 sampling=sp(seed0 + i)))
-                c[r.tokens[1]] = c.get(r.tokens[1], 0) + 1
-                drafted += r.stats.drafted
-            return c, drafted
         n = 1500
-        (a, _), (b, drafted) = hist("none", 0, n), hist("draft", 10**6, n)
+        a, _, _ = second_tokens(e, prompt, "none", 0, n, p_min=0)
+        b, drafted, _ = second_tokens(e, prompt, "draft", 10**6, n, p_min=0)
         assert drafted > n // 2  # the position was drafted in most runs
-        keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
-        chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
-        dof = len(keys) - 1
-        assert dof >= 3
-        assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+        assert_same_distribution(a, b)
     finally:
         e.close()
 
@@ -134,8 +120,6 @@ def test_sampled_cross_vocab_keeps_the_target_distribution(target_path, near_pat
 def test_unmappable_draft_token_ends_the_proposal_not_the_answer(near_engine, plain, monkeypatch):
     """A draft control token (which has no text to map) in the middle of the draft's run: the proposal stops before
     it and the answer goes on, identical to plain."""
-    from localspec.drafters import cross_vocab
-
     d = near_engine.draft_drafter(GenConfig())
     p, cfg = PROMPTS[2], GenConfig(method="draft", k=6, max_tokens=N_EXACT, p_min=0.0)
     free = near_engine.complete(near_engine.raw_prompt(p), cfg)

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import PROMPTS
+from conftest import PROMPTS, wide_margin_model
+from helpers import assert_same_distribution, second_tokens
 from localspec.core.engine import Engine, GenConfig
-from localspec.sample.sampling import SamplingParams
 from localspec.drafters.base import Drafter, Proposal
 from localspec.llama.lib import ll
 from localspec.llama.model import Model
@@ -23,13 +23,7 @@ REPEAT = "the cat and the dog and the cat and the dog and the cat and the"  # pr
 
 
 def _pick(path_for, writer, seeds):
-    for seed in seeds:
-        path = writer(path_for(seed), seed)
-        with Model(path, n_ctx=CTX, n_threads=1) as m:
-            margins = [greedy_margins(m, m.tokenize(p), N + 10)[1] for p in PROMPTS + [REPEAT]]
-        if min(margins) >= MIN_MARGIN:
-            return path
-    raise RuntimeError(f"no seed in {seeds} gives margins >= {MIN_MARGIN}")
+    return wide_margin_model(path_for, writer, seeds, PROMPTS + [REPEAT], N + 10, MIN_MARGIN, n_ctx=CTX, n_threads=1)
 
 
 @pytest.fixture(scope="session")
@@ -273,25 +267,11 @@ def test_sampled_speculation_on_a_hybrid_matches_plain_distribution(model_dir):
     e = Engine.load(soft, soft_draft, n_ctx=256, threads=1)
     try:
         prompt = e.raw_prompt("the cat")
-        sp = lambda s: SamplingParams(temperature=1.0, seed=s)  # noqa: E731
-
-        def hist(method, seed0, n):
-            c = {}
-            for i in range(n):
-                r = e.complete(prompt, GenConfig(method=method, k=3, max_tokens=3, p_min=0, sampling=sp(seed0 + i),
-                                                 exactness="lossless"))
-                key = r.tokens[1] if len(r.tokens) > 1 else -1  # -1: it stopped (EOG) first
-                c[key] = c.get(key, 0) + 1
-            return c
-
         n = 1500
-        a, b = hist("none", 0, n), hist("draft", 10**6, n)
+        a, _, _ = second_tokens(e, prompt, "none", 0, n, p_min=0, exactness="lossless")
+        b, _, _ = second_tokens(e, prompt, "draft", 10**6, n, p_min=0, exactness="lossless")
         assert e.target.rollback_counters()["rs_rollbacks"] + e.target.rollback_counters()["restores"] > 0
-        keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
-        chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
-        dof = len(keys) - 1
-        assert dof >= 3
-        assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+        assert_same_distribution(a, b)
     finally:
         e.close()
 

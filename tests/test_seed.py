@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from helpers import CTX, loaded_session, serving
 from localspec.core.engine import Engine, GenConfig
 from localspec.sample.sampling import Draws, SamplingParams, probs
 
@@ -125,32 +126,16 @@ def test_a_seed_gives_one_answer_in_a_batch(engines, seeded, pair):
 
 
 # ----------------------------------------------------------------- through the server
-pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-
-from helpers import CTX, serving  # noqa: E402
-
-
 @pytest.fixture(scope="module", params=[1, 2], ids=["one at a time", "parallel 2"])
 def soft_api(request, soft, tmp_path_factory):
     """`localspec serve` over the soft pair (draft method by default), one generation at a time and batched."""
     from localspec.server.config import ServerConfig
-    from localspec.session import Session
 
     target, draft = soft
-    with pytest.MonkeyPatch.context() as mp:
-        for k in list(__import__("os").environ):
-            if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-                mp.delenv(k)
-        mp.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path_factory.mktemp("cfg")))
-        sess = Session({"model": str(target), "draft": str(draft), "method": "draft", "draft_tokens": 4,
-                        "ctx_size": CTX}, quiet=True)
-        sess.load()
-        try:
-            with serving(sess, ServerConfig(queue_size=8, parallel=request.param)) as s:
-                yield s
-        finally:
-            sess.close()
+    with loaded_session({"model": str(target), "draft": str(draft), "method": "draft", "draft_tokens": 4,
+                         "ctx_size": CTX}, tmp_path_factory.mktemp("cfg")) as sess:
+        with serving(sess, ServerConfig(queue_size=8, parallel=request.param)) as s:
+            yield s
 
 
 @pytest.mark.parametrize("stream", [False, True])

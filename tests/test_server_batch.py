@@ -6,75 +6,27 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import signal
 import threading
 
 import pytest
 
 from conftest import require_exact_batching
-
-pytest.importorskip("uvicorn")
-
-from helpers import Served, cli, running, server_env, start_serve  # noqa: E402
+from helpers import Served, at_once, chat, cli, completed, loaded_session, one_error_line, server_env, serving, start_serve, text
 
 CTX = 2048
-N = 40
 PROMPTS = ["the cat and the dog", "def f(x): return x", "Hello world, the x = y + 1", "Once upon a time"]
-
-
-def _session(target_path, cfg_dir, mp):
-    from localspec.session import Session
-
-    for k in list(os.environ):
-        if k.startswith("LOCALSPEC_") and k not in ("LOCALSPEC_CACHE_DIR", "LOCALSPEC_TEST_MODELS"):
-            mp.delenv(k)
-    mp.setenv("LOCALSPEC_CONFIG_DIR", str(cfg_dir))
-    sess = Session({"model": str(target_path), "method": "lookup", "draft_tokens": 4, "ctx_size": CTX}, quiet=True)
-    sess.load()
-    return sess
 
 
 @pytest.fixture(scope="module")
 def batched(target_path, tmp_path_factory):
-    from localspec.server.app import create_app
+    """`serve --parallel 4` with prompt lookup (k 4) on the tiny target, per module."""
     from localspec.server.config import ServerConfig
 
-    cfg_dir = tmp_path_factory.mktemp("cfg")
-    with pytest.MonkeyPatch.context() as mp:
-        sess = _session(target_path, cfg_dir, mp)
-        app = create_app(sess, ServerConfig(parallel=4, queue_size=8), log=lambda m: None)
-        try:
-            with running(app) as url:
-                yield Served(url, app, sess, server_env(cfg_dir))
-        finally:
-            if app.state.worker.stop(timeout=30):
-                sess.close()
-
-
-def post(s: Served, body: dict) -> dict:
-    status, _, data = s.raw("POST", "/v1/chat/completions", json.dumps(body))
-    assert status == 200, data
-    return data
-
-
-def chat(prompt: str, **kw) -> dict:
-    return {"model": "x", "messages": [{"role": "user", "content": prompt}], "max_tokens": N, "temperature": 0, **kw}
-
-
-def at_once(s: Served, bodies: list[dict]) -> list[dict]:
-    out: list = [None] * len(bodies)
-    go = threading.Barrier(len(bodies))
-
-    def one(i):
-        go.wait()
-        out[i] = post(s, bodies[i])
-    ths = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(120)
-    return out
+    with loaded_session({"model": str(target_path), "method": "lookup", "draft_tokens": 4, "ctx_size": CTX},
+                        tmp_path_factory.mktemp("cfg")) as sess:
+        with serving(sess, ServerConfig(parallel=4, queue_size=8)) as s:
+            yield s
 
 
 @contextlib.contextmanager
@@ -92,10 +44,6 @@ def decodes(s: Served):
         yield seen
     finally:
         ms.decode = decode
-
-
-def text(r: dict) -> str:
-    return r["choices"][0]["message"]["content"]
 
 
 def test_health_and_metrics_show_the_slots(batched, exact_batching):
@@ -116,7 +64,7 @@ def test_health_and_metrics_show_the_slots(batched, exact_batching):
 @pytest.mark.parametrize("method", ["none", "lookup"])
 def test_four_concurrent_requests_equal_four_sequential_ones(batched, method):
     bodies = [chat(p, localspec={"method": method}) for p in PROMPTS]
-    seq = [post(batched, b) for b in bodies]
+    seq = [completed(batched, b) for b in bodies]
     worker = batched.app.state.worker
     steps0 = worker.batch.steps
     got = at_once(batched, bodies)
@@ -131,13 +79,13 @@ def test_four_concurrent_requests_equal_four_sequential_ones(batched, method):
 
 def test_a_client_leaving_mid_batch_leaves_the_others_unchanged(batched):
     bodies = [chat(p, max_tokens=60) for p in PROMPTS[:3]]
-    seq = [post(batched, b) for b in bodies]
+    seq = [completed(batched, b) for b in bodies]
     before = batched.health()["generations"]
     leaver = http.client.HTTPConnection(batched.host, int(batched.port), timeout=60)
     out: list = [None] * 3
 
     def one(i):
-        out[i] = post(batched, bodies[i])
+        out[i] = completed(batched, bodies[i])
     leaver.request("POST", "/v1/chat/completions", body=json.dumps(chat(PROMPTS[3], max_tokens=100_000, stream=True)),
                    headers={"Content-Type": "application/json"})
     r = leaver.getresponse()
@@ -167,7 +115,7 @@ def test_schema_tools_logprobs_and_plain_requests_are_decoded_together(batched):
                    max_tokens=200),
               chat(PROMPTS[2], logprobs=True, top_logprobs=2),
               chat(PROMPTS[3])]
-    alone = [post(batched, b) for b in bodies]
+    alone = [completed(batched, b) for b in bodies]
     with decodes(batched) as seen:
         got = at_once(batched, bodies)
     assert any(len(s) == 4 for s in seen)
@@ -203,8 +151,7 @@ def test_the_default_is_one_slot_on_cpu_and_four_on_a_gpu():
 def test_serve_kv_layout_is_checked_before_anything_loads(target_path, tmp_path):
     r = cli(["serve", "-m", str(target_path), "--parallel", "4", "--kv-layout", "shared"],
             server_env(tmp_path / "cfg"), timeout=60)
-    err = r.stderr.decode()
-    assert r.returncode == 2 and err.startswith("error: ") and "--kv-layout" in err and "Traceback" not in err, err
+    assert "--kv-layout" in one_error_line(r)
 
 
 @pytest.mark.parametrize("parallel,method", [("4", "lookup"), ("1", "auto")])
@@ -247,10 +194,10 @@ def test_n_choices_are_generations_of_their_own_decoded_together(batched):
     share the batch's decodes; usage counts every choice, the prompt once."""
     body = chat(PROMPTS[0], temperature=2.0, top_p=1.0, seed=7, n=3, max_tokens=24)
     with decodes(batched) as seen:
-        r = post(batched, body)
+        r = completed(batched, body)
     assert [c["index"] for c in r["choices"]] == [0, 1, 2]
     assert any(len(s) == 3 for s in seen)
-    alone = [post(batched, {**body, "n": 1, "seed": 7 + i}) for i in range(3)]
+    alone = [completed(batched, {**body, "n": 1, "seed": 7 + i}) for i in range(3)]
     assert [c["message"]["content"] for c in r["choices"]] == [text(a) for a in alone]
     assert len({c["message"]["content"] for c in r["choices"]}) > 1  # the streams differ
     assert r["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
@@ -273,6 +220,6 @@ def test_n_choices_stream_with_their_index(batched):
             texts[ch["index"]] += ch["delta"].get("content") or ""
     usage = [c for c in chunks if c.get("usage")]
     assert len(usage) == 1 and usage[0]["choices"] == []
-    whole = post(batched, {**body, "stream": False, "stream_options": None})
+    whole = completed(batched, {**body, "stream": False, "stream_options": None})
     assert [texts[0], texts[1]] == [c["message"]["content"] for c in whole["choices"]]
     assert usage[0]["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"]

@@ -6,12 +6,9 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from prometheus_client import parser
 
-openai = pytest.importorskip("openai")
-pytest.importorskip("uvicorn")
-parser = pytest.importorskip("prometheus_client.parser")
-
-from helpers import KEY, serving  # noqa: E402
+from helpers import KEY, serving
 
 
 def scrape(s, **headers) -> dict:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS
+from helpers import assert_same_distribution, clean_env, second_tokens
 from localspec.drafters import suffix as S
 from localspec.store import suffixcache as SC
 
@@ -24,10 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(autouse=True)
 def fresh_cache(tmp_path, monkeypatch):
     """Each test: its own cache dir and config, and no corpus left in the process from another test."""
+    clean_env(monkeypatch, tmp_path / "cfg")
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    for key in ("LOCALSPEC_SUFFIX_CACHE", "LOCALSPEC_SUFFIX_CACHE_TOKENS", "LOCALSPEC_CONFIG"):
-        monkeypatch.delenv(key, raising=False)
     S._CORPORA.clear()
     S._STATIC.clear()
     SC._noticed.clear()
@@ -283,36 +282,16 @@ def test_sampled_decoding_with_the_suffix_drafter_keeps_the_target_distribution(
     """Temperature 1: the token at a drafted position has the same distribution with cached continuations as with
     plain sampling (chi-square on 1000 runs each). The cache holds, after the prompt and every first token, one
     fixed second token: accepted where the target likes it, else rejected and drawn from the residual."""
-    import numpy as np
-
-    from localspec.sample.sampling import SamplingParams
-
     prompt = eng.raw_prompt("def f(x): return x")  # a spread-out next-token distribution
-
-    def hist(method, seed0, n):
-        c, drafted, accepted = {}, 0, 0
-        for i in range(n):
-            # max_tokens=3: the 2nd and 3rd tokens come from one speculative step with k = 1
-            r = eng.complete(prompt, cfg(method, k=3, n=3, exactness="auto",
-                                         sampling=SamplingParams(temperature=1.0, seed=seed0 + i)))
-            c[r.tokens[1]] = c.get(r.tokens[1], 0) + 1
-            drafted += r.stats.drafted
-            accepted += r.stats.accepted
-        return c, drafted, accepted
-
     n = 1000
-    a, _, _ = hist("none", 0, n)
+    a, _, _ = second_tokens(eng, prompt, "none", 0, n, exactness="auto")
     y = max(a, key=a.get)
     corpus = S.corpus_for(eng.target)
     for t in range(eng.target.n_vocab):
         corpus.commit(doc(t, prompt + [t, y]))
-    b, drafted, accepted = hist("suffix", 10**6, n)
+    b, drafted, accepted = second_tokens(eng, prompt, "suffix", 10**6, n, exactness="auto")
     assert drafted > n * 0.9 and 0 < accepted < drafted
-    keys = [k for k in set(a) | set(b) if a.get(k, 0) + b.get(k, 0) >= 20]
-    chi2 = sum((a.get(k, 0) - b.get(k, 0)) ** 2 / (a.get(k, 0) + b.get(k, 0)) for k in keys)
-    dof = len(keys) - 1
-    assert dof >= 3
-    assert chi2 < dof + 4.5 * np.sqrt(2 * dof) + 10, (chi2, dof)
+    assert_same_distribution(a, b)
 
 
 def test_the_same_request_twice_drafts_most_of_the_second_answer_from_the_cache(eng):
@@ -353,7 +332,6 @@ def test_requests_of_another_scope_do_not_draft_from_this_ones_text(eng):
 
 
 def test_a_server_with_an_api_key_drafts_from_its_own_scope(target_path):
-    pytest.importorskip("fastapi")
     from localspec.server.app import create_app
     from localspec.session import Session
 
