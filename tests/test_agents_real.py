@@ -1,35 +1,25 @@
 """Agent clients against `localspec serve` on the default pair (Qwen2.5-Coder-1.5B + 0.5B): tool loops with
 tool_choice auto as the model really writes its calls (a fenced, indented JSON block), strict JSON schemas, the
-Responses API and the agent libraries' own loops. Skipped when the models are absent; a client whose package is
-not installed is skipped (CI installs only openai)."""
+Responses API and the agent libraries' own loops (the checks of benchmarks/agents/clients.py). Skipped when the
+models are absent; a client whose package is not installed is skipped (CI installs only openai)."""
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
 
-import openai
 import pytest
 
+from benchmarks.agents import clients
+from benchmarks.agents.clients import QUESTION, WEATHER, used_result
 from conftest import REAL_MODELS
-from helpers import clean_env, serving
+from helpers import loaded_session, serving
 
 TARGET = REAL_MODELS / "qwen2.5-coder-1.5b-instruct.gguf"
 DRAFT = REAL_MODELS / "qwen2.5-coder-0.5b-instruct.gguf"
-WEATHER = {"city": "Paris", "sky": "sunny", "temp_c": 21}
-QUESTION = "What is the weather in Paris right now? Use the get_weather tool, then answer in one sentence."
 TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 N = 160  # max tokens per answer
-
-
-def used_result(text) -> bool:
-    t = str(text or "").lower()
-    return "21" in t or "sunny" in t
 
 
 @pytest.fixture(scope="module")
@@ -38,18 +28,11 @@ def qwen(tmp_path_factory):
         if not p.is_file():
             pytest.skip(f"real model absent: {p} (run ../shared/models/fetch-real-models.sh)")
     from localspec.server.config import ServerConfig
-    from localspec.session import Session
 
-    with pytest.MonkeyPatch.context() as mp:
-        clean_env(mp, tmp_path_factory.mktemp("cfg"))
-        sess = Session({"model": str(TARGET), "draft": str(DRAFT), "ctx_size": 4096, "threads": 2,
-                        "temperature": 0.0, "max_tokens": N}, quiet=True)
-        sess.load()
-        try:
-            with serving(sess, ServerConfig()) as s:
-                yield s
-        finally:
-            sess.close()
+    with loaded_session({"model": str(TARGET), "draft": str(DRAFT), "ctx_size": 4096, "threads": 2,
+                         "temperature": 0.0, "max_tokens": N}, tmp_path_factory.mktemp("cfg")) as sess:
+        with serving(sess, ServerConfig()) as s:
+            yield s
 
 
 def client(s):
@@ -121,68 +104,21 @@ def test_a_responses_api_function_call_round_trip(qwen):
     assert r2.status == "completed" and used_result(r2.output_text), r2.output_text
 
 
-def test_llm_runs_a_python_function_tool(qwen, tmp_path):
-    """`llm -T` / `--functions`: the tool runs and its result reaches the answer."""
+def test_llm_runs_a_python_function_tool_and_a_schema(qwen):
+    """`llm -T` / `--functions`: the tool runs and its result reaches the answer; `llm --schema` gives the keys."""
     pytest.importorskip("llm")
-    exe = shutil.which("llm") or os.path.join(os.path.dirname(sys.executable), "llm")
-    (tmp_path / "extra-openai-models.yaml").write_text(
-        f"- model_id: localspec\n  model_name: localspec\n  api_base: {qwen.url}/v1\n"
-        "  supports_tools: true\n  supports_schema: true\n")
-    fn = "def get_weather(city: str) -> str:\n    'Current weather for a city.'\n" \
-         f"    return {json.dumps(json.dumps(WEATHER))}\n"
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path), "OPENAI_API_KEY": "x"}
-    p = subprocess.run([exe, "-m", "localspec", "--functions", fn, "--td", "-o", "max_tokens", str(N), QUESTION],
-                       env=env, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr
-    assert "get_weather(" in p.stdout + p.stderr and used_result(p.stdout.strip().splitlines()[-1]), p.stdout
-    q = subprocess.run([exe, "-m", "localspec", "--schema", "name, age int", "-o", "max_tokens", str(N),
-                        "Invent a person."], env=env, capture_output=True, text=True, timeout=900)
-    assert q.returncode == 0 and sorted(json.loads(q.stdout)) == ["age", "name"], q.stdout
+    got = clients.check_llm(qwen.url + "/v1", N)
+    for part, (ok, detail) in got.items():
+        assert ok, (part, detail)
 
 
 def test_a_pydantic_ai_agent_with_a_nested_output_type_and_a_tool_completes(qwen):
     pytest.importorskip("pydantic_ai")
-    from pydantic import BaseModel
-    from pydantic_ai import Agent
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-
-    class Weather(BaseModel):
-        sky: str
-        temp_c: int
-
-    class Report(BaseModel):
-        city: str
-        weather: Weather
-
-    model = OpenAIChatModel("x", provider=OpenAIProvider(base_url=qwen.url + "/v1", api_key="x"))
-    agent = Agent(model, output_type=Report, model_settings={"max_tokens": N}, instructions="Use the tools.")
-    ran = []
-
-    @agent.tool_plain
-    def get_weather(city: str) -> str:
-        """Current weather for a city."""
-        ran.append(city)
-        return json.dumps(WEATHER)
-
-    out = agent.run_sync("What is the weather in Paris right now?").output
-    assert ran and isinstance(out, Report) and isinstance(out.weather, Weather)
+    ok, detail = clients.check_pydantic_ai(qwen.url + "/v1", N)
+    assert ok, detail
 
 
 def test_the_openai_agents_sdk_runs_its_tool_over_the_responses_api(qwen):
-    agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    ran = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Current weather for a city."""
-        ran.append(city)
-        return json.dumps(WEATHER)
-
-    model = agents.OpenAIResponsesModel(model="x", openai_client=openai.AsyncOpenAI(
-        base_url=qwen.url + "/v1", api_key="x", max_retries=0, timeout=600))
-    agent = agents.Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model,
-                         model_settings=agents.ModelSettings(max_tokens=N))
-    out = agents.Runner.run_sync(agent, QUESTION, max_turns=4).final_output
-    assert ran and used_result(out), out
+    pytest.importorskip("agents")
+    ok, detail = clients.check_agents_sdk(qwen.url + "/v1", N)
+    assert ok, detail

@@ -8,6 +8,7 @@ and prints one line per check (PASS/FAIL/SKIP and what was seen) and a JSON summ
         --draft ~/.cache/localspec-test-models/qwen2.5-coder-0.5b-instruct.gguf --json /tmp/agents.json
 
 A client whose package is not installed is SKIP. Answers are greedy (temperature 0) and short (max 200 tokens).
+tests/test_agents_real.py runs the agent libraries' checks (llm, pydantic-ai, the Agents SDK) as tests.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def check_openai_schema(base: str):
     return keys == {"name", "age"}, f"keys {sorted(keys)}"
 
 
-def check_llm(base: str):
+def check_llm(base: str, max_tokens: int = MAX_TOKENS):
     """`llm -T` with a Python function tool (--functions), and `llm --schema`."""
     import shutil
 
@@ -119,13 +120,13 @@ def check_llm(base: str):
         fn = ("def get_weather(city: str) -> str:\n    'Current weather for a city.'\n"
               f"    return {json.dumps(json.dumps(WEATHER))}\n")
         p = subprocess.run([exe, "-m", "localspec", "--functions", fn, "--td", "-o", "temperature", "0",
-                            "-o", "max_tokens", str(MAX_TOKENS), QUESTION],
+                            "-o", "max_tokens", str(max_tokens), QUESTION],
                            env=env, capture_output=True, text=True, timeout=600)
         called = "get_weather(" in p.stdout + p.stderr
         ok_tools = p.returncode == 0 and called and used_result(p.stdout.split("\n")[-2] if p.stdout else "")
         tools_detail = f"rc {p.returncode}, tool ran: {called}, out {p.stdout.strip()[-120:]!r}"
         q = subprocess.run([exe, "-m", "localspec", "--schema", "name, age int", "-o", "temperature", "0",
-                            "-o", "max_tokens", str(MAX_TOKENS), "Invent a person."],
+                            "-o", "max_tokens", str(max_tokens), "Invent a person."],
                            env=env, capture_output=True, text=True, timeout=600)
         try:
             keys = sorted(json.loads(q.stdout))
@@ -161,7 +162,7 @@ def check_langchain(base: str):
     return ran > 0 and used_result(msgs[-1].content), f"tool ran {ran}x, final {msgs[-1].content!r:.120}"
 
 
-def check_pydantic_ai(base: str):
+def check_pydantic_ai(base: str, max_tokens: int = MAX_TOKENS):
     from pydantic import BaseModel
     from pydantic_ai import Agent
     from pydantic_ai.models.openai import OpenAIChatModel
@@ -176,7 +177,7 @@ def check_pydantic_ai(base: str):
         weather: Weather
 
     model = OpenAIChatModel("localspec", provider=OpenAIProvider(base_url=base, api_key="x"))
-    agent = Agent(model, output_type=Report, model_settings={"temperature": 0, "max_tokens": MAX_TOKENS},
+    agent = Agent(model, output_type=Report, model_settings={"temperature": 0, "max_tokens": max_tokens},
                   instructions="Use the tools to answer.")
     ran = []
 
@@ -187,12 +188,13 @@ def check_pydantic_ai(base: str):
         return json.dumps(WEATHER)
 
     out = agent.run_sync("What is the weather in Paris right now?").output
-    ok = bool(ran) and isinstance(out, Report)  # the run completes with the tool run and the nested output
+    # the run completes with the tool run and the nested output
+    ok = bool(ran) and isinstance(out, Report) and isinstance(out.weather, Weather)
     return ok, f"tool ran {ran}, result used: {isinstance(out, Report) and out.weather.temp_c == 21}, " \
                f"output {out!r:.160}"
 
 
-def check_agents_sdk(base: str):
+def check_agents_sdk(base: str, max_tokens: int = MAX_TOKENS):
     from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
     from agents.model_settings import ModelSettings
     from openai import AsyncOpenAI
@@ -209,7 +211,7 @@ def check_agents_sdk(base: str):
     model = OpenAIResponsesModel(model="localspec", openai_client=AsyncOpenAI(base_url=base, api_key="x",
                                                                               max_retries=0))
     agent = Agent(name="weather", instructions="Answer with the tools.", tools=[get_weather], model=model,
-                  model_settings=ModelSettings(temperature=0, max_tokens=MAX_TOKENS))
+                  model_settings=ModelSettings(temperature=0, max_tokens=max_tokens))
     out = Runner.run_sync(agent, QUESTION, max_turns=4).final_output
     return bool(ran) and used_result(str(out)), f"tool ran {ran}, final {str(out)!r:.120}"
 
