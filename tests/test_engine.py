@@ -412,10 +412,16 @@ def test_auto_exactness_leaves_the_bit_cap_when_a_bigger_k_pays(target_path, mon
 
 def test_every_drafting_step_counts_its_tokens_to_the_source_that_drafted_them(engine):
     """auto picks among sources step by step; each step's drafted and accepted tokens go to the one that drafted
-    them, so the per-source counts (bench, /metrics, the chat's details) add up to the totals."""
+    them, so the per-source counts (bench, /metrics, the chat's details, run --json's `sources`) add up to the
+    totals."""
+    from localspec.core.report import figures
+
     for method in ("lookup", "draft"):
         cfg = GenConfig(method=method, k=4, max_tokens=N_EXACT)
         st = engine.complete(engine.raw_prompt(PROMPTS[0]), cfg).stats
         assert st.drafted > 0
         assert dict(st.drafted_by) == {method: st.drafted} and dict(st.accepted_by) == {method: st.accepted}
         assert all(None not in v for v in st.by_source().values())
+        assert figures(st)["sources"] == {method: {"steps": st.drafting_steps, "drafted": st.drafted,
+                                                   "accepted": st.accepted,
+                                                   "acceptance": round(st.accepted / st.drafted, 4)}}
