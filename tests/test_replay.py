@@ -1,4 +1,4 @@
-"""The controller replayed on recorded Qwen2.5-Coder-1.5B answers (benchmarks/data/qwen_coder_traces.json): which
+"""bench/replay.py: the controller replayed on recorded Qwen2.5-Coder-1.5B answers (benchmarks/data/qwen_coder_traces.json): which
 drafts it asks for and how many the target accepts follow from the recorded greedy tokens, and each step costs
 T(b)/T(1) from a machine's verify curve, so these figures are exact and the same every run (no timing)."""
 

@@ -1,4 +1,4 @@
-"""Models by hub name: hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT], hf.co/… against the fake hub."""
+"""models/hubname.py: models by hub name: hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT], hf.co/… against the fake hub."""
 
 import json
 import os

@@ -1,4 +1,4 @@
-"""The adaptive controller on synthetic acceptance streams and timings (no model)."""
+"""core/policy.py: the adaptive controller on synthetic acceptance streams and timings (no model)."""
 
 import pytest
 import numpy as np
