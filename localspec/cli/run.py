@@ -100,7 +100,7 @@ def run(
             status.clear()  # the error line that follows must not land on the end of the live status line
             if printed or stream:
                 return
-            partial = resp.text if stream else resp.so_far
+            partial = resp.so_far
             if as_json:
                 d = result_json(None, resp.stats, engine, gen_cfg, interrupted=True, text=partial)
                 out.write(json.dumps(d | {"finish_reason": "error"}) + "\n")
@@ -128,7 +128,7 @@ def run(
                 state.interrupt_reported = True
                 status.stop()
                 stats = resp.stats
-                partial = resp.text if stream else resp.so_far
+                partial = resp.so_far
                 printed.append(True)
                 if stream:
                     out.write("\n")
