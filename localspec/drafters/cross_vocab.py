@@ -25,7 +25,6 @@ above it Leviathan's rule with a one-hot q keeps the target's distribution (a se
 from __future__ import annotations
 
 import bisect
-import ctypes
 import time
 from typing import Sequence
 
@@ -33,7 +32,6 @@ import numpy as np
 
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.draft_model import confident
-from localspec.llama import lib
 from localspec.sample.sampling import SamplingParams
 from localspec.seq import common_prefix
 
@@ -50,9 +48,6 @@ class TextVocab:
 
     def __init__(self, model) -> None:
         self.model = model
-        self.ll = lib.require()
-        self.vocab = self.ll.llama_model_get_vocab(model.model_handle)
-        self._special: dict[int, bytes] = {}
         probe = self.tokenize(b"a", parse_special=False)
         rendered = b"".join(model.piece(t) for t in probe)
         self.lead = max(len(rendered) - 1, 0) if rendered.endswith(b"a") else 0
@@ -60,30 +55,14 @@ class TextVocab:
         self.bos = info.bos if info.add_bos and info.bos >= 0 else None
 
     def tokenize(self, data: bytes, parse_special: bool) -> list[int]:
-        ll = self.ll
-        n_max = len(data) + 16
-        buf = (ll.llama_token * n_max)()
-        n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, False, parse_special)
-        if n < 0:
-            n_max = -n
-            buf = (ll.llama_token * n_max)()
-            n = ll.llama_tokenize(self.vocab, data, len(data), buf, n_max, False, parse_special)
-        return list(buf[:n])
+        return self.model.tokenize_bytes(data, add_special=False, parse_special=parse_special)
 
     def special_piece(self, token: int) -> bytes:
         """The token's bytes with a special token rendered as its text ('<|im_start|>')."""
-        b = self._special.get(token)
-        if b is None:
-            buf = ctypes.create_string_buffer(64)
-            n = self.ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = self.ll.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-            b = self._special[token] = buf.raw[:n]
-        return b
+        return self.model.piece(token, special=True)
 
     def is_control(self, token: int) -> bool:
-        return bool(self.ll.llama_vocab_is_control(self.vocab, token)) or self.model.is_eog(token)
+        return self.model.is_control(token) or self.model.is_eog(token)
 
 
 def to_target(tv: TextVocab, anchor: bytes, new: bytes) -> list[int] | None:

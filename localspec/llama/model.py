@@ -193,6 +193,7 @@ class Model:
         self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
         self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
         self._piece_cache: dict[int, bytes] = {}
+        self._special_piece_cache: dict[int, bytes] = {}
 
     # ------------------------------------------------------------------ facts
     @property
@@ -236,7 +237,10 @@ class Model:
 
     # ------------------------------------------------------------- text <-> ids
     def tokenize(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        return self.tokenize_bytes(text.encode("utf-8"), add_special=add_special, parse_special=parse_special)
+
+    def tokenize_bytes(self, data: bytes, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Tokens of raw bytes (the text may end inside a UTF-8 character)."""
         n_max = len(data) + 16
         buf = (_ll.llama_token * n_max)()
         n = _ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
@@ -246,18 +250,22 @@ class Model:
             n = _ll.llama_tokenize(self._vocab, data, len(data), buf, n_max, add_special, parse_special)
         return list(buf[:n])
 
-    def piece(self, token: int) -> bytes:
-        """Bytes of one token as it appears in generated text (special tokens not rendered)."""
-        b = self._piece_cache.get(token)
+    def piece(self, token: int, *, special: bool = False) -> bytes:
+        """Bytes of one token as it appears in generated text; special: a special token rendered as its text
+        ('<|im_start|>'), else as nothing."""
+        cache = self._special_piece_cache if special else self._piece_cache
+        b = cache.get(token)
         if b is None:
             buf = ctypes.create_string_buffer(64)
-            n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
+            n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, False)
-            b = buf.raw[:n]
-            self._piece_cache[token] = b
+                n = _ll.llama_token_to_piece(self._vocab, token, buf, len(buf), 0, special)
+            b = cache[token] = buf.raw[:n]
         return b
+
+    def is_control(self, token: int) -> bool:
+        return bool(_ll.llama_vocab_is_control(self._vocab, token))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.piece(t) for t in tokens).decode("utf-8", "replace")
