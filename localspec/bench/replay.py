@@ -25,7 +25,9 @@ from typing import Callable, Sequence
 
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.drafters.base import Drafter, Proposal
+from localspec.drafters.chain import chained
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
+from localspec.drafters.suffix import SuffixDrafter
 
 # T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
 CURVES = {
@@ -122,10 +124,13 @@ def fixed_recorded(name: str, k: int, draft_cost: float | None = None) -> Callab
 
 
 def auto_recorded(name: str, curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2,
-                  draft_cost: float | None = None) -> Callable[[dict], Policy]:
-    """`auto` choosing each step among prompt lookup and the recorded drafter `name`."""
+                  draft_cost: float | None = None, chain: bool = True) -> Callable[[dict], Policy]:
+    """`auto` choosing each step among prompt lookup, the recorded drafter `name` and, with `chain`, that drafter's
+    proposals extended by the request's own text (drafters/chain.py; the suffix cache of a first request)."""
     def make(tr: dict) -> Policy:
         drafters = {"lookup": PromptLookupDrafter(), name: recorded(tr, name, draft_cost)}
+        if chain:
+            drafters = chained({**drafters, "suffix": SuffixDrafter(None, beside_lookup=True)})
         return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)
 
     return _with_trace(make)

@@ -33,7 +33,7 @@ from localspec.core.exactness import ProbeResult
 from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
 from localspec.core.policy import build_policy
 from localspec.core.response import Response
-from localspec.drafters import PromptLookupDrafter
+from localspec.drafters import PromptLookupDrafter, chained
 from localspec.errors import UsageError
 from localspec.knobs import knobs
 from localspec.seq import common_prefix
@@ -252,6 +252,8 @@ class BatchEngine(PassShapes):
                 drafters["suffix"].beside_lookup = "lookup" in drafters
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
+            if method == "auto":
+                drafters = chained(drafters)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
         # curve); its live T(1) is the slot's share of a step
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)

@@ -157,6 +157,7 @@ class BatchDraft:
         """Draft for every (run, drafter, k) in `chosen` whose drafter is one of this model's slots, in one batch
         (`run`: a BatchEngine request, with seq, context, sp_draft and source()). Each SlotDrafter then holds its
         proposal for propose(). Returns seq -> that slot's share of the draft time, in seconds."""
+        chosen = [(run, getattr(d, "model", d), k) for run, d, k in chosen]  # a chain drafts its model's part here
         work = [(d, run.context, k, run.sp_draft, run.source()) for run, d, k in chosen
                 if k > 0 and isinstance(d, SlotDrafter) and d.owner is self]
         return self.draft_for(work) if work else {}

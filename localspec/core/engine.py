@@ -22,7 +22,7 @@ from localspec.core.response import Response
 from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
-from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
+from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, chained
 from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
 from localspec.models.pair import check_pair
@@ -298,7 +298,7 @@ class Engine:
             if method in ("auto", kind):
                 head.p_min = cfg.p_min
                 out[kind] = head
-        return out
+        return chained(out) if method == "auto" else out
 
     def resolve_method(self, cfg: GenConfig) -> str:
         if cfg.method == "draft" and self.draft is None:

@@ -354,6 +354,15 @@ class SuffixDrafter(Drafter):
         self._memo = ((len(context), version), k, tokens, reach)
         return tokens, reach
 
+    def continuation(self, context: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that may follow `context`: the request's context (indexed) followed by tokens another
+        drafter proposed (not indexed: they may be rejected). Any match counts here, also into the request itself
+        (a chain: drafters/chain.py)."""
+        if k <= 0:
+            return []
+        _, cands = self._candidates(context)
+        return self._continue(cands, k) if cands else []
+
     def _candidates(self, ctx: Sequence[int]) -> tuple[int, list[tuple]]:
         """(reach, occurrences that reach that far back as (tokens, position, recency)) for the longest key length
         with an occurrence in this request or the earlier ones, else in the static corpus (a lower tier: text the
