@@ -59,6 +59,15 @@ def suffix_over(text):
     return d
 
 
+def test_a_replayed_chain_pays_for_its_models_tokens_only():
+    ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    model = Scripted([4, 5])
+    model.draft_cost = 0.5
+    chain = ChainedDrafter(model, suffix_over(ctx))
+    assert len(chain.propose(ctx, 6, SamplingParams(), None).tokens) == 6
+    assert R._draft_cost(chain, 6) == 1.0 and R._draft_cost(model, 2) == 1.0
+
+
 def test_the_chain_continues_the_models_drafts_from_the_suffix_index():
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]  # the request so far: 1 2 3 was followed by 4 5 6 7 ...
     tail = suffix_over(ctx)
@@ -127,9 +136,10 @@ def test_decoding_through_the_chain_is_plain_decoding_at_temperature_0(engine, m
 
 
 def test_replayed_the_chain_pays_where_a_wide_verify_costs_about_one_row():
-    """SmolLM2-135M's recorded proposals for Qwen2.5-Coder-1.5B's answers: with the chain beside its parts, `auto`
-    is ahead over the ten prompts where 9 rows cost about one (a GPU), and no prompt loses more than the noise of
-    probing it on the 2-core CPU curves."""
+    """SmolLM2-135M's recorded proposals (p_min 0.75) for Qwen2.5-Coder-1.5B's answers: with the chain beside its
+    parts, `auto` is ahead over the twelve prompts where 9 rows cost about one (a GPU), with the chain's model tokens
+    paid for and its cache tokens free, and no prompt loses more than the noise of probing it on the 2-core CPU
+    curves."""
     traces = R.load(ROOT / "benchmarks" / "data" / "smollm2_for_qwen_coder_traces.json")
 
     def ratios(curve, chain):
@@ -140,7 +150,8 @@ def test_replayed_the_chain_pays_where_a_wide_verify_costs_about_one_row():
         return math.exp(sum(map(math.log, xs)) / len(xs))
 
     flat = R.CURVES["flat"]
-    assert geomean(ratios(flat, True)) >= 1.05 * geomean(ratios(flat, False))
+    assert geomean(ratios(flat, True)) >= 1.02 * geomean(ratios(flat, False))
     for name in ("avx512", "epyc"):
         with_chain, without = ratios(R.CURVES[name], True), ratios(R.CURVES[name], False)
-        assert min(a / b for a, b in zip(with_chain, without)) >= 0.95, name
+        assert geomean(with_chain) >= geomean(without), name
+        assert min(a / b for a, b in zip(with_chain, without)) >= 0.98, name

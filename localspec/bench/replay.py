@@ -80,7 +80,7 @@ def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, flo
         while n_acc < len(tokens) and tokens[n_acc] == out[i + n_acc]:
             n_acc += 1
         cost = step_cost(curve, len(tokens) + 1)
-        t_draft = len(tokens) * getattr(drafter, "draft_cost", 0.0) * T1
+        t_draft = _draft_cost(drafter, len(tokens)) * T1
         t += cost + t_draft
         policy.observe(drafter, k, len(tokens), n_acc, (t_draft or 1e-6) if tokens else None, cost)
         if drafter is not None and tokens:
@@ -94,6 +94,14 @@ def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, flo
         steps += 1
     return {"rate": (len(out) - 1) / t if t else 0.0, "steps": steps, "spec_steps": spec, "drafted": drafted,
             "accepted": accepted, "switched": getattr(policy, "switched", None)}
+
+
+def _draft_cost(drafter, n: int) -> float:
+    """Target steps spent drafting the last proposal of n tokens: a chain pays for its model's tokens only."""
+    model = getattr(drafter, "model", None)
+    if model is not None:
+        return drafter.n_model * getattr(model, "draft_cost", 0.0)
+    return n * getattr(drafter, "draft_cost", 0.0)
 
 
 def plain() -> Callable[[], Policy]:

@@ -31,7 +31,7 @@ class ChainedDrafter(Drafter):
         self.name = f"{model.name}+{tail.name}"
         self.prior_alpha = model.prior_alpha
         self.title = f"{getattr(model, 'title', model.name)} + {tail.name}"
-        self._n_model = 0  # tokens of the last proposal that the model drafted (the rest are the tail's)
+        self.n_model = 0  # tokens of the last proposal that the model drafted (the rest are the tail's)
 
     def offer(self, context: Sequence[int], k: int) -> Offer | None:
         o = self.model.offer(context, k)
@@ -40,7 +40,7 @@ class ChainedDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
         p = self.model.propose(context, k, sp, rng)
         tokens = list(p.tokens)
-        self._n_model = len(tokens)
+        self.n_model = len(tokens)
         more = self.tail.continuation(list(context) + tokens, k - len(tokens)) if len(tokens) < k else []
         if not more:
             return p
@@ -55,7 +55,7 @@ class ChainedDrafter(Drafter):
         return Proposal(tokens + more, q, p.catch_up_s)
 
     def accept(self, n_drafted: int, n_accepted: int) -> None:
-        self.model.accept(self._n_model, min(n_accepted, self._n_model))
+        self.model.accept(self.n_model, min(n_accepted, self.n_model))
 
     def cost(self) -> float | None:
         return self.model.cost()
