@@ -222,16 +222,37 @@ def test_bpe_draft_context_is_its_tokenization_of_the_text_at_every_step(smollm_
         assert len(sizes) > 100 and sorted(sizes)[len(sizes) // 2] < 100, sizes
 
 
-def test_batch_runs_cross_vocab_drafts_on_the_single_path(near_engine):
-    """A batch drafts for its slots with the draft model's tokens as the target's: a draft with another vocabulary
-    cannot, so draft-model requests take the single-sequence path and batched auto requests use prompt lookup."""
+def test_cross_vocab_drafts_run_in_batch_slots_beside_other_requests(near_engine, plain, monkeypatch):
+    """Draft-model requests whose draft has another vocabulary are decoded in batch slots, each drafting through
+    text on its own sequence of one shared context of the draft model, beside a plain and a lookup request: every
+    answer is plain decoding's, the four are decoded in the same steps, and the drafts are accepted inside the
+    batch."""
     from localspec.core.batch import BatchEngine
 
-    b = BatchEngine(near_engine, 2, prefill_chunk=16)
+    b = BatchEngine(near_engine, 4, prefill_chunk=16)
     try:
-        assert "another vocabulary" in b.single_reason(GenConfig(method="draft"))
-        assert b.single_reason(GenConfig(method="auto")) == ""
-        assert b.drafts is None
+        assert b.single_reason(GenConfig(method="draft")) == ""
+        assert b.drafts is None and b.xvocab is not None and b.xvocab.ms is None  # made at the first draft
+        methods = ["draft", "none", "draft", "lookup"]
+        reqs = [(near_engine.raw_prompt(p), GenConfig(method=m, k=4, max_tokens=N_EXACT, p_min=0.0))
+                for p, m in zip(PROMPTS, methods)]
+        seen = []
+        decode = b.ms.decode
+
+        def recording(parts, copy=True):
+            seen.append({seq for seq, _, _ in parts})
+            return decode(parts, copy)
+
+        monkeypatch.setattr(b.ms, "decode", recording)
+        got = b.generate_all(reqs)
+        for p, fin in zip(PROMPTS, got):
+            assert fin.tokens == plain[p], p
+        assert sum(len(s) == 4 for s in seen) >= N_EXACT // 4  # the four requests shared most steps
+        for fin in (got[0], got[2]):
+            st = fin.stats
+            assert st.drafted > 0 and st.accepted > 0.5 * st.drafted and st.method_used["draft"] > 0
+        assert b.xvocab.ms is not None and b.xvocab.ms.tokens[0] and b.xvocab.ms.tokens[2]
+        assert not b.xvocab.ms.tokens[1] and not b.xvocab.ms.tokens[3]  # a slot that never drafted holds no draft KV
     finally:
         b.close()
 

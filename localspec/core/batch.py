@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 
 from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
+from localspec.core.batch_xvocab import CrossVocabSlots
 from localspec.core.engine import Engine, Finished, GenConfig
 from localspec.core import exactness as X
 from localspec.core.batch_shape import PassShapes
@@ -86,6 +87,7 @@ class BatchEngine(PassShapes):
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified,
                                             chunk=self.prefill_chunk)  # the draft model, or None
+        self.xvocab = CrossVocabSlots.for_engine(engine, n_slots)  # a draft model of another vocabulary, or None
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.runs: list[_Run | None] = [None] * n_slots
@@ -252,6 +254,8 @@ class BatchEngine(PassShapes):
                 drafters["suffix"].beside_lookup = "lookup" in drafters
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
+            elif self.xvocab is not None and method in ("auto", "draft"):
+                drafters["draft"] = self.xvocab.drafter(seq, cfg.p_min)
             if method == "auto":
                 drafters = chained(drafters)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
@@ -410,6 +414,8 @@ class BatchEngine(PassShapes):
         self.ms.clear()
         if self.drafts is not None:
             self.drafts.clear()
+        if self.xvocab is not None:
+            self.xvocab.close()  # made again at the next draft
         return dropped
 
     # ------------------------------------------------------------ helpers
@@ -437,3 +443,5 @@ class BatchEngine(PassShapes):
         self.ms.close()
         if self.drafts is not None:
             self.drafts.close()
+        if self.xvocab is not None:
+            self.xvocab.close()

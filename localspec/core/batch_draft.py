@@ -49,9 +49,6 @@ def batch_draft_reason(engine) -> str:
     draft = engine.draft
     if draft is None:
         return ""
-    if getattr(engine, "draft_kind", None) == "cross-vocab":  # its tokens are not the target's: one request at a time
-        return (f"the draft model {draft.name} has another vocabulary than the target (it drafts through text): "
-                "draft-model requests run on the single-sequence path")
     kind = getattr(draft, "rollback_kind", "kv")
     if kind != "kv":
         return (f"the draft model {draft.name} keeps a recurrent state ({kind} rollback): draft-model requests run "
@@ -118,8 +115,8 @@ class BatchDraft:
     def for_engine(cls, engine, n_slots: int, *, unified: bool = False, chunk: int = CATCH_UP_CHUNK
                    ) -> "BatchDraft | None":
         """None when the engine has no draft model, or one that cannot share a batch."""
-        if engine.draft is None or batch_draft_reason(engine):
-            return None
+        if engine.draft is None or batch_draft_reason(engine) or engine.draft_kind == "cross-vocab":
+            return None  # another vocabulary drafts through text, per slot: core/batch_xvocab.py
         return cls(engine, n_slots, unified=unified, chunk=chunk)
 
     # ------------------------------------------------------------ sequences
