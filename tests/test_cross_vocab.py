@@ -267,3 +267,21 @@ def test_prefill_puts_the_drafts_own_tokens_in_its_cache(near_engine, plain):
     assert near_engine.draft.tokens == d.draft_context(prompt) != prompt
     r = near_engine.complete(prompt, GenConfig(method="draft", k=4, max_tokens=N_EXACT, p_min=0.0))
     assert r.tokens == plain[PROMPTS[3]]
+
+
+def test_serve_parallel_batches_cross_vocab_draft_requests(target_path, near_path, tmp_path):
+    """Through the server's queue: four concurrent `method draft` chats with a draft of another vocabulary run in the
+    batch (they do not wait for it to drain), drafting there, and answer what they answer one at a time."""
+    from helpers import at_once, chat, completed, loaded_session, serving, text
+    from localspec.server.config import ServerConfig
+
+    with loaded_session({"model": str(target_path), "draft": str(near_path), "method": "draft", "draft_tokens": 4,
+                         "ctx_size": 1024}, tmp_path) as sess:
+        with serving(sess, ServerConfig(parallel=4, queue_size=8)) as s:
+            bodies = [chat(p, max_tokens=30) for p in PROMPTS]
+            alone_ = [text(completed(s, b)) for b in bodies]
+            batch = s.app.state.worker.batch
+            steps0, decodes0 = batch.steps, batch.xvocab.ms.decodes if batch.xvocab.ms is not None else 0
+            got = [text(r) for r in at_once(s, bodies)]
+            assert got == alone_
+            assert batch.steps > steps0 and batch.xvocab.ms.decodes > decodes0  # decoded and drafted in the batch
