@@ -46,6 +46,35 @@ def test_json_schema_output_validates_and_is_the_same_with_and_without_speculati
         check(json.loads(free))  # the tiny model does not write this JSON by itself: the grammar did
 
 
+def test_auto_drafts_the_tokens_the_schema_forces_and_the_answer_is_the_same(open_api):
+    """Under a json_schema the declared keys, their quotes and colons are the only tokens the grammar allows where
+    they stand: `auto` drafts them (source "grammar"), they are accepted, and the answer is plain decoding's."""
+    c = open_api.client(max_retries=0)
+    plain, _ = ask(c, "none")
+    text, stats = ask(c, "auto", k=3)
+    assert text == plain
+    check(json.loads(text))
+    src = stats["sources"]["grammar"]
+    assert src["drafted"] >= 3 and src["accepted"] == src["drafted"], src
+    free = c.chat.completions.create(model="x", messages=[{"role": "user", "content": "Pick a colour as JSON."}],
+                                     max_tokens=16, temperature=0, extra_body={"localspec": {"method": "auto"}})
+    assert "grammar" not in free.model_extra["localspec"]["sources"]  # no schema: nothing is forced
+
+
+def test_the_grammar_says_which_tokens_it_forces(session):
+    """Grammar.forced: the tokens of a declared key's text, up to a limit, and none where the model has a choice."""
+    from localspec.server.grammar import constraint_for
+
+    model = session.engine.target
+    g = constraint_for(FORMAT, model)
+    first = g.forced(16)
+    assert first and b"colour" in b"".join(model.piece(t) for t in first)
+    assert g.forced(1) == first[:1] and g.forced(0) == []
+    assert g.consume(first)
+    assert g.forced(16) == []  # the colour's value: one of three
+    assert not np.all(g.allowed() == g.allowed()[0])
+
+
 def test_json_object_output_is_an_object(open_api):
     c = open_api.client(max_retries=0)
     a, _ = ask(c, "none", {"type": "json_object"})

@@ -35,6 +35,7 @@ from localspec.core.generation import Generation, check_bias, check_prompt, new_
 from localspec.core.policy import build_policy
 from localspec.core.response import Response
 from localspec.drafters import PromptLookupDrafter, chained
+from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import UsageError
 from localspec.knobs import knobs
 from localspec.seq import common_prefix
@@ -256,6 +257,8 @@ class BatchEngine(PassShapes):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
             elif self.xvocab is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.xvocab.drafter(seq, cfg.p_min)
+            if method == "auto" and hasattr(cfg.constraint, "forced"):
+                drafters["grammar"] = GrammarDrafter(cfg.constraint)  # the tokens structured output forces
             if method == "auto":
                 drafters = chained(drafters)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated

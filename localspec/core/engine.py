@@ -23,6 +23,7 @@ from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, chained
+from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
 from localspec.models.pair import check_pair
@@ -298,6 +299,8 @@ class Engine:
             if method in ("auto", kind):
                 head.p_min = cfg.p_min
                 out[kind] = head
+        if method == "auto" and hasattr(cfg.constraint, "forced"):
+            out["grammar"] = GrammarDrafter(cfg.constraint)  # the tokens structured output forces
         return chained(out) if method == "auto" else out
 
     def resolve_method(self, cfg: GenConfig) -> str:

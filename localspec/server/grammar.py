@@ -419,6 +419,13 @@ class Grammar:
     def consume(self, tokens) -> bool:
         return self._m().consume_tokens([int(t) for t in tokens])
 
+    def forced(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (the only ones it allows there), from the current state."""
+        m = self._m()
+        if limit <= 0 or m.is_error() or m.is_stopped():
+            return []
+        return [int(t) for t in m.compute_ff_tokens()[:limit]]
+
     def rollback(self, n: int) -> bool:
         return self._m().rollback(n)
 
@@ -458,6 +465,9 @@ class Lazy:
 
     def allowed(self) -> np.ndarray:
         return self.inner.allowed() if self.start is not None else self._all
+
+    def forced(self, limit: int) -> list[int]:
+        return self.inner.forced(limit) if self.start is not None else []
 
     def _match(self, new: int):
         """The first trigger match that ends in the last `new` bytes (an earlier one was seen before)."""
