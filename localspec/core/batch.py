@@ -3,8 +3,9 @@
 N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every active slot's rows into ONE
 llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
 tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
-single-sequence Engine, so grammars, logprobs and logit_bias batch like any request; draft heads (they read the
-target's own context) and recurrent draft models take the single-sequence Engine (`single_reason`).
+single-sequence Engine, so grammars, logprobs and logit_bias batch like any request. A draft head (EAGLE-3, DFlash,
+DSpark, MTP) drafts in its slot from that slot's rows of each batched decode (core/batch_heads.py); recurrent draft
+models take the single-sequence Engine (`single_reason`).
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
 
 Rules, and why (docs/design.md, "Batching", has the measurements behind them):
@@ -26,6 +27,7 @@ from typing import Callable, Sequence
 
 from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
+from localspec.core.batch_heads import BatchHeads
 from localspec.core.engine import Engine, Finished, GenConfig
 from localspec.core import exactness as X
 from localspec.core.batch_shape import PassShapes
@@ -42,8 +44,7 @@ PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
 PREFILL_MIN = 16  # ... and never fewer than this many
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
-SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
-
+SINGLE_METHODS: tuple[str, ...] = ()  # methods that need the single-sequence Engine (every drafter batches)
 
 
 class _Run(Generation):
@@ -86,6 +87,7 @@ class BatchEngine(PassShapes):
         self.prefill_chunk = max(1, int(prefill_chunk))
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified,
                                             chunk=self.prefill_chunk)  # the draft model, or None
+        self.heads = BatchHeads(engine, self.ms)  # the slots' draft heads
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.runs: list[_Run | None] = [None] * n_slots
@@ -113,6 +115,8 @@ class BatchEngine(PassShapes):
         method = self.engine.resolve_method(cfg)
         if method in SINGLE_METHODS and cfg.k > 0:
             return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
+        if cfg.k > 0 and self.heads.reason(method):
+            return self.heads.reason(method)
         if method == "draft" and cfg.k > 0 and batch_draft_reason(self.engine):
             return batch_draft_reason(self.engine)
         return ""
@@ -184,6 +188,8 @@ class BatchEngine(PassShapes):
 
         self.ms.close()
         self.ms = MultiSeq(self.target, n, unified=True)
+        self.heads.close()
+        self.heads = BatchHeads(self.engine, self.ms)
         if self.drafts is not None:
             self.drafts.close()
             self.drafts = BatchDraft.for_engine(self.engine, n, unified=True, chunk=self.prefill_chunk)
@@ -252,6 +258,8 @@ class BatchEngine(PassShapes):
                 drafters["suffix"].beside_lookup = "lookup" in drafters
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
+            if method in self.engine.heads:
+                drafters[method] = self.heads.drafter(seq, method, cfg.p_min, prompt, common)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
         # curve); its live T(1) is the slot's share of a step
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
@@ -364,6 +372,7 @@ class BatchEngine(PassShapes):
         t0 = time.perf_counter()
         outs = self.ms.decode(parts, copy=False)  # used before the next decode
         dt = time.perf_counter() - t0
+        hooks = self.heads.after_decode(parts)  # the heads read the slots' hidden states before the next decode
         self.steps += 1
         self.rows += total
         prompt_rows = sum(len(p[1]) for p, run in zip(parts, owners) if run.step is None)
@@ -371,7 +380,7 @@ class BatchEngine(PassShapes):
             rate = total / dt
             self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
         for run, part, rows in zip(owners, parts, outs):
-            share = dt * len(part[1]) / total  # this request's part of the batch's cost
+            share = dt * len(part[1]) / total + hooks.get(run.seq, 0.0)  # this request's part of the step's cost
             if run.step is None:
                 self._prefilled(run, part[1], rows, share)
             else:
@@ -399,6 +408,7 @@ class BatchEngine(PassShapes):
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None
+        self.heads.release(run.seq)
         run.close()
 
     def fail_all(self) -> list[_Run]:
@@ -406,6 +416,7 @@ class BatchEngine(PassShapes):
         dropped = [r for r in self.runs if r is not None]
         self.runs = [None] * self.n_slots
         self.ms.clear()
+        self.heads.clear()
         if self.drafts is not None:
             self.drafts.clear()
         return dropped
@@ -432,6 +443,7 @@ class BatchEngine(PassShapes):
         return [r.result() for r in responses]
 
     def close(self) -> None:
+        self.heads.close()
         self.ms.close()
         if self.drafts is not None:
             self.drafts.close()
