@@ -162,6 +162,25 @@ def test_a_head_request_decodes_beside_plain_and_lookup_requests_and_answers_as_
     assert sum(1 for d in seen if d == {0, 1, 2}) >= 5  # the three verified in the same decodes, step after step
 
 
+def test_auto_in_a_slot_drafts_with_the_head_too(kind, engine, batch):
+    """method auto offers the engine's draft heads in a slot as it does alone (beside prompt lookup and the suffix
+    cache), and answers as alone."""
+    method = HEADS[kind][0]
+    cfg = lambda: head_cfg(kind, method="auto")
+    alone = engine.complete(engine.raw_prompt(PROMPTS[1]), cfg())
+    seq = batch.add(engine.raw_prompt(PROMPTS[1]), cfg())
+    batch.add(engine.raw_prompt(PROMPTS[0]), other_cfg("lookup"))
+    run = batch.runs[seq]
+    assert method in run.policy.drafters and "lookup" in run.policy.drafters
+    head = batch.heads.active[seq][method]
+    calls = head.hook_calls
+    while batch.active:
+        batch.step()
+    assert run.out == alone.tokens
+    assert head.hook_calls > calls  # it read the slot's rows of every decode, whichever drafter the step used
+    assert "auto speculates with prompt lookup" not in run.stats.reason
+
+
 def test_a_request_joining_midway_leaves_the_head_slot_unchanged(files, kind, engine, batch):
     long_prompt = " ".join(PROMPTS * 4)  # prefilled 16 tokens a step beside the head slot's verify rows
     alone_head = fresh_alone(files, kind, PROMPTS[2], head_cfg(kind))

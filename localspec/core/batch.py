@@ -44,7 +44,6 @@ PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
 PREFILL_MIN = 16  # ... and never fewer than this many
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
-SINGLE_METHODS: tuple[str, ...] = ()  # methods that need the single-sequence Engine (every drafter batches)
 
 
 class _Run(Generation):
@@ -113,8 +112,6 @@ class BatchEngine(PassShapes):
     def single_reason(self, cfg: GenConfig) -> str:
         """Why `cfg` takes the single-sequence Engine instead of a slot ('' when it can be batched)."""
         method = self.engine.resolve_method(cfg)
-        if method in SINGLE_METHODS and cfg.k > 0:
-            return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
         if cfg.k > 0 and self.heads.reason(method):
             return self.heads.reason(method)
         if method == "draft" and cfg.k > 0 and batch_draft_reason(self.engine):
@@ -258,14 +255,15 @@ class BatchEngine(PassShapes):
                 drafters["suffix"].beside_lookup = "lookup" in drafters
             if self.drafts is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
-            if method in self.engine.heads:
-                drafters[method] = self.heads.drafter(seq, method, cfg.p_min, prompt, common)
+            for kind in self.engine.heads:  # the draft heads: a method's own, or every one for auto
+                if method in ("auto", kind) and not self.heads.reason(kind):
+                    drafters[kind] = self.heads.drafter(seq, kind, cfg.p_min, prompt, common)
         # what a verify of b rows costs is set each step by _price_rows (the whole batch's passes on the calibrated
         # curve); its live T(1) is the slot's share of a step
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
         stats = new_stats(cfg, label, k, level, why)
         stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
-        if method == "auto" and label != "none" and "draft" not in policy.drafters:
+        if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "suffix"}:
             why = "batched: auto speculates with prompt lookup and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
         stats.prompt_tokens = len(prompt)

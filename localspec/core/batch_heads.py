@@ -29,7 +29,7 @@ class BatchHeads:
         self.ms = ms
         self._slot: dict[tuple[int, str], object] = {}  # (seq, method) -> that slot's drafter
         self._seen: dict[tuple[int, str], list[int]] = {}  # ... the tokens its state was read from
-        self.active: dict[int, tuple[str, object]] = {}  # seq -> (method, drafter) of the request running there
+        self.active: dict[int, dict[str, object]] = {}  # seq -> the drafters of the request running there, by method
 
     def reason(self, method: str) -> str:
         """Why the engine's head for `method` cannot draft in a slot ('' when it can, or when it is no head)."""
@@ -52,26 +52,26 @@ class BatchHeads:
         else:
             d.keep(min(common_prefix(self._seen.get(key, []), prompt), cached))
         d.p_min = p_min
-        self.active[seq] = (method, d)
+        self.active.setdefault(seq, {})[method] = d
         return d
 
     def release(self, seq: int) -> None:
         """The request in slot `seq` ended: its drafter's state is that of the slot's cached tokens."""
-        got = self.active.pop(seq, None)
-        if got is not None:
-            self._seen[(seq, got[0])] = list(self.ms.tokens[seq])
+        for method in self.active.pop(seq, {}):
+            self._seen[(seq, method)] = list(self.ms.tokens[seq])
 
     def after_decode(self, parts: Sequence[tuple]) -> dict[int, float]:
         """Feed each head slot its rows of the decode that just ran (before the next one overwrites them).
         Returns the seconds each slot's drafter took (part of what that request's step cost)."""
         spent = {}
         for seq, toks, _ in parts:
-            got = self.active.get(seq)
-            if got is None:
+            on = self.active.get(seq)
+            if not on:
                 continue
             t0 = time.perf_counter()
             base = len(self.ms.tokens[seq]) - len(toks)
-            got[1].after_target_decode(toks, range(base, base + len(toks)))
+            for d in on.values():
+                d.after_target_decode(toks, range(base, base + len(toks)))
             spent[seq] = time.perf_counter() - t0
         return spent
 
