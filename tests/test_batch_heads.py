@@ -336,3 +336,26 @@ def test_a_head_slot_forgets_what_it_read_of_another_text(random_files, which, m
         e.close()
     assert got.tokens == want.tokens and got.stats.cached_prompt_tokens == want.stats.cached_prompt_tokens > 0
     assert len(got_drafts) > 5 and got_drafts == want_drafts
+
+
+def test_chained_mtp_layers_draft_in_a_slot(heads_dir):
+    """A target with two MTP layers (each draft step runs its own layer) drafts in a slot beside another request:
+    both layers agree with the target, so everything drafted is accepted, as alone."""
+    from localspec.core.batch import BatchEngine
+    from localspec.core.engine import Engine
+    from tinyheads import write_mimo2_mtp
+
+    e = Engine.load(write_mimo2_mtp(heads_dir / "mimo2.gguf", 7, mtp=("agree", "agree")), n_ctx=512)
+    try:
+        cfg = lambda: head_cfg("mtp")
+        alone = e.complete(e.raw_prompt(PROMPTS[0]), cfg())
+        b = BatchEngine(e, 2, prefill_chunk=16)
+        try:
+            got = run_all(b, e, [(PROMPTS[0], cfg()), (PROMPTS[1], other_cfg("lookup"))])
+        finally:
+            b.close()
+    finally:
+        e.close()
+    assert got[0].tokens == alone.tokens
+    assert 0 < got[0].stats.drafted == got[0].stats.accepted
+    assert got[0].stats.drafted <= 2 * got[0].stats.drafting_steps
