@@ -216,9 +216,11 @@ def test_a_cancelled_head_request_frees_its_slot_for_the_next_head_request(files
         assert (got[0].stats.drafted, got[0].stats.accepted) == (alone_head.stats.drafted, alone_head.stats.accepted)
 
 
-def test_a_slot_reads_its_own_rows_of_a_batched_decode(heads_dir):
-    """The layer inputs of one sequence's rows of a MultiSeq decode (rows [1, 3, 1, 2]: llama.cpp runs them as several
-    passes and puts the rows back in batch order) are those of the same tokens decoded alone."""
+@pytest.mark.parametrize("unified", [False, True])
+def test_a_slot_reads_its_own_rows_of_a_batched_decode(heads_dir, unified):
+    """The layer inputs of one sequence's rows of a MultiSeq decode (rows [1, 3, 1, 2]: over separate KV streams
+    llama.cpp runs them as several passes and puts the rows back in batch order) are those of the same tokens decoded
+    alone."""
     from localspec.llama.model import Model
     from localspec.llama.multiseq import MultiSeq
     from localspec.llama.taps import SeqTap, TargetTap
@@ -226,7 +228,7 @@ def test_a_slot_reads_its_own_rows_of_a_batched_decode(heads_dir):
     path = write_model(heads_dir / "random4.gguf", 5, n_layer=4)
     lids = [0, 1, 3]
     with Model(path, n_ctx=256) as t:
-        ms = MultiSeq(t, 4)
+        ms = MultiSeq(t, 4, unified=unified)
         try:
             taps = [SeqTap(ms, s) for s in range(4)]
             taps[0].enable_layer_inp(lids)
