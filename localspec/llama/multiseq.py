@@ -123,9 +123,7 @@ class MultiSeq:
             seq, toks, rows = parts[j]
             if not 0 <= seq < self.n_seq:
                 raise ValueError(f"no sequence {seq}")
-            if seq in spans:
-                raise ValueError(f"sequence {seq} is twice in one decode")
-            spans[seq] = (i, len(toks))
+            spans[seq] = (i, len(toks)) if seq not in spans else None  # twice: not one run of rows
             base = len(self.tokens[seq])
             if base + len(toks) > self.n_ctx:
                 raise DecodeError(f"{self.name}: context full ({base} + {len(toks)} > {self.n_ctx} tokens)")
@@ -148,7 +146,7 @@ class MultiSeq:
             raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
         for seq, toks, _ in parts:
             self.tokens[seq].extend(int(t) for t in toks)
-        self.last_rows = spans
+        self.last_rows = {seq: span for seq, span in spans.items() if span is not None}
         n_all = sum(n_out)
         arr = None
         if n_all:
