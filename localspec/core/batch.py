@@ -3,8 +3,9 @@
 N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every active slot's rows into ONE
 llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
 tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
-single-sequence Engine, so grammars, logprobs and logit_bias batch like any request; draft heads (they read the
-target's own context) and recurrent draft models take the single-sequence Engine (`single_reason`).
+single-sequence Engine, so grammars, logprobs and logit_bias batch like any request. A draft head (EAGLE-3, DFlash,
+DSpark, MTP) drafts in its slot from that slot's rows of each batched decode (core/batch_heads.py); recurrent draft
+models take the single-sequence Engine (`single_reason`).
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
 
 Rules, and why (docs/design.md, "Batching", has the measurements behind them):
@@ -27,6 +28,7 @@ from typing import Callable, Sequence
 from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.batch_xvocab import CrossVocabSlots
+from localspec.core.batch_heads import BatchHeads
 from localspec.core.engine import Engine, Finished, GenConfig
 from localspec.core import exactness as X
 from localspec.core.batch_shape import PassShapes
@@ -44,8 +46,6 @@ PREFILL_CHUNK = 256  # prompt tokens a joining request decodes per step
 PREFILL_STEP_S = 3.0  # ... at most this long beside generating requests, by the measured prefill rate
 PREFILL_MIN = 16  # ... and never fewer than this many
 REUSE_MIN = 16  # cached prompt tokens that make a new request take that slot (else: keep active slots consecutive)
-SINGLE_METHODS = ("eagle3", "mtp", "dflash")  # methods that need the single-sequence Engine
-
 
 
 class _Run(Generation):
@@ -89,6 +89,7 @@ class BatchEngine(PassShapes):
         self.drafts = BatchDraft.for_engine(engine, n_slots, unified=self.ms.unified,
                                             chunk=self.prefill_chunk)  # the draft model, or None
         self.xvocab = CrossVocabSlots.for_engine(engine, n_slots)  # a draft model of another vocabulary, or None
+        self.heads = BatchHeads(engine, self.ms)  # the slots' draft heads
         self.n_slots = n_slots
         self.n_ctx = self.ms.n_ctx
         self.runs: list[_Run | None] = [None] * n_slots
@@ -114,8 +115,8 @@ class BatchEngine(PassShapes):
     def single_reason(self, cfg: GenConfig) -> str:
         """Why `cfg` takes the single-sequence Engine instead of a slot ('' when it can be batched)."""
         method = self.engine.resolve_method(cfg)
-        if method in SINGLE_METHODS and cfg.k > 0:
-            return f"method {method} runs on the single-sequence path (batches speculate with lookup or a draft model)"
+        if cfg.k > 0 and self.heads.reason(method):
+            return self.heads.reason(method)
         if method == "draft" and cfg.k > 0 and batch_draft_reason(self.engine):
             return batch_draft_reason(self.engine)
         return ""
@@ -187,6 +188,8 @@ class BatchEngine(PassShapes):
 
         self.ms.close()
         self.ms = MultiSeq(self.target, n, unified=True)
+        self.heads.close()
+        self.heads = BatchHeads(self.engine, self.ms)
         if self.drafts is not None:
             self.drafts.close()
             self.drafts = BatchDraft.for_engine(self.engine, n, unified=True, chunk=self.prefill_chunk)
@@ -257,6 +260,9 @@ class BatchEngine(PassShapes):
                 drafters["draft"] = self.drafts.drafter(seq, cfg.p_min)
             elif self.xvocab is not None and method in ("auto", "draft"):
                 drafters["draft"] = self.xvocab.drafter(seq, cfg.p_min)
+            for kind in self.engine.heads:  # the draft heads: a method's own, or every one for auto
+                if method in ("auto", kind) and not self.heads.reason(kind):
+                    drafters[kind] = self.heads.drafter(seq, kind, cfg.p_min, prompt, common)
             if method == "auto" and hasattr(cfg.constraint, "forced"):
                 drafters["grammar"] = GrammarDrafter(cfg.constraint)  # the tokens structured output forces
             if method == "auto":
@@ -266,7 +272,7 @@ class BatchEngine(PassShapes):
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
         stats = new_stats(cfg, label, k, level, why)
         stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
-        if method == "auto" and label != "none" and "draft" not in policy.drafters:
+        if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "suffix"}:
             why = "batched: auto speculates with prompt lookup and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
         stats.prompt_tokens = len(prompt)
@@ -373,6 +379,7 @@ class BatchEngine(PassShapes):
         t0 = time.perf_counter()
         outs = self.ms.decode(parts, copy=False)  # used before the next decode
         dt = time.perf_counter() - t0
+        hooks = self.heads.after_decode(parts)  # the heads read the slots' hidden states before the next decode
         self.steps += 1
         self.rows += total
         prompt_rows = sum(len(p[1]) for p, run in zip(parts, owners) if run.step is None)
@@ -380,7 +387,7 @@ class BatchEngine(PassShapes):
             rate = total / dt
             self._prefill_rate = rate if self._prefill_rate is None else 0.5 * (self._prefill_rate + rate)
         for run, part, rows in zip(owners, parts, outs):
-            share = dt * len(part[1]) / total  # this request's part of the batch's cost
+            share = dt * len(part[1]) / total + hooks.get(run.seq, 0.0)  # this request's part of the step's cost
             if run.step is None:
                 self._prefilled(run, part[1], rows, share)
             else:
@@ -408,6 +415,7 @@ class BatchEngine(PassShapes):
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None
+        self.heads.release(run.seq)
         run.close()
 
     def fail_all(self) -> list[_Run]:
@@ -415,6 +423,7 @@ class BatchEngine(PassShapes):
         dropped = [r for r in self.runs if r is not None]
         self.runs = [None] * self.n_slots
         self.ms.clear()
+        self.heads.clear()
         if self.drafts is not None:
             self.drafts.clear()
         if self.xvocab is not None:
@@ -443,6 +452,7 @@ class BatchEngine(PassShapes):
         return [r.result() for r in responses]
 
     def close(self) -> None:
+        self.heads.close()
         self.ms.close()
         if self.drafts is not None:
             self.drafts.close()

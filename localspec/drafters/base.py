@@ -121,12 +121,15 @@ def draft_token(row: np.ndarray, sp: SamplingParams, rng: np.random.Generator,
 
 class HeadFileDrafter(Drafter):
     """A draft head in its own GGUF that runs on the target's hidden states (EAGLE-3, DFlash): `head` is the loaded
-    file (llama.heads.HeadModel), `ctx` its context. Subclasses take (target, head, p_min=, cost=)."""
+    file (llama.heads.HeadModel), `ctx` its context, `tap` where it reads the target's hidden states (llama.taps: the
+    target's own context, or a batch slot's rows). Subclasses take (target, head, p_min=, cost=, tap=)."""
 
     head_kind: str = ""
     head = None
     ctx = None
     target = None
+    tap = None
+    owns_head = True  # False: a slot's copy (for_sequence), the head file is another drafter's
     layer_ids: list[int] = []
     n_embd_tgt = 0
     _cost: float | None = None
@@ -134,21 +137,38 @@ class HeadFileDrafter(Drafter):
     def cost(self) -> float | None:
         return self._cost
 
+    @staticmethod
+    def _tap_for(target, tap):
+        if tap is not None:
+            return tap
+        from localspec.llama.taps import TargetTap  # lazily: the registry is imported by front ends without models
+
+        return TargetTap(target)
+
     def _target_features(self, tokens: Sequence[int], positions: Sequence[int]):
-        """(m, pos0, features) of the target's last decode: Model.decode splits a long prompt into n_batch chunks and
-        only the last chunk's hidden states are left, m rows from position pos0, the head's target layers side by
-        side."""
-        from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
+        """(m, pos0, features) of the target's last decode as the tap keeps it (the target's own context: only a long
+        prompt's last n_batch chunk), m rows from position pos0, the head's target layers side by side."""
         n = len(tokens)
-        m = (n - 1) % self.target.n_batch + 1
-        ctx_t = self.target.ctx_handle
-        feats = np.concatenate([heads.layer_inp_rows(ctx_t, lid, m, self.n_embd_tgt) for lid in self.layer_ids],
-                               axis=1)
+        feats = self.tap.layer_inp(self.layer_ids, n, self.n_embd_tgt)
+        m = len(feats)
         return m, int(positions[n - m]), feats
+
+    def for_sequence(self, tap) -> "HeadFileDrafter":
+        """A drafter on the same loaded head with a context of its own, fed from `tap` (a batch slot's rows of each
+        batched decode): each slot drafts from its own hidden states, as this one does from the target's."""
+        d = type(self)(self.target, self.head, p_min=self.p_min, cost=self._cost, tap=tap)
+        d.owns_head = False
+        return d
+
+    def keep(self, n: int) -> None:
+        """The sequence this drafter follows keeps only its first n tokens; what came after is another text (a new
+        request in a batch slot). Forget what was read from there on; the next decode starts a gap or continues."""
+        self.ctx.seq_rm(max(int(n), 0))
 
     def close(self) -> None:
         self.ctx.close()
-        self.head.close()
+        if self.owns_head:
+            self.head.close()
 
     @classmethod
     def load(cls, target, path, *, p_min: float = 0.75, n_gpu_layers: int = 0):

@@ -36,9 +36,11 @@ class DFlashDrafter(HeadFileDrafter):
     markov = False  # whether the file carries a Markov head (markov_w1.weight): a DSpark head
     title = "DFlash"  # the head's name in messages
 
-    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
-        """target: the loaded target Model; head: the dflash GGUF (heads.HeadModel). Raises IncompatibleDraftError
-        (one line) for a build without the calls, a head of another kind or a target it cannot read."""
+    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None,
+                 tap=None) -> None:
+        """target: the loaded target Model; head: the dflash GGUF (heads.HeadModel); tap: where the target's hidden
+        states are read (llama.taps; None: the target's own context). Raises IncompatibleDraftError (one line) for a
+        build without the calls, a head of another kind or a target it cannot read."""
         from localspec.llama import heads, lib  # lazily: the registry is imported by front ends that never load a model
         heads.require_head(self.head_kind)
         if head.arch != "dflash":
@@ -76,7 +78,8 @@ class DFlashDrafter(HeadFileDrafter):
         self.n_embd_tgt = heads.n_embd_of(target.model_handle)
         self.ctx = heads.HeadContext(m, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
                                      kv_type=target.kv_type, ctx_other=target.ctx_handle, name=head.name)
-        heads.enable_layer_inp(target.ctx_handle, self.layer_ids)
+        self.tap = self._tap_for(target, tap)
+        self.tap.enable_layer_inp(self.layer_ids)
         heads.set_nextn(self.ctx.ctx, True, True)
         ll.llama_set_causal_attn(self.ctx.ctx, causal)  # DFlash attends non-causally unless the model says otherwise
         self.hook_s = 0.0  # time in after_target_decode (the per-step overhead the head adds to every decode)

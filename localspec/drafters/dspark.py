@@ -36,10 +36,11 @@ class DSparkDrafter(DFlashDrafter):
     markov = True
     title = "DSpark"
 
-    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
+    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None,
+                 tap=None) -> None:
         """As DFlashDrafter, for a file with a Markov head."""
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
-        super().__init__(target, head, p_min=p_min, cost=cost)
+        super().__init__(target, head, p_min=p_min, cost=cost, tap=tap)
         self.anchor_first = heads.meta_str(head.model_handle, "dflash.sample_from_anchor") in (None, "true")
         self.has_conf = heads.has_tensor(head.path, CONF_TENSOR)
         self.n_embd_head = head.n_embd

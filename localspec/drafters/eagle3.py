@@ -39,9 +39,11 @@ class Eagle3Drafter(HeadFileDrafter):
     title = "EAGLE-3"  # the head's name in messages
     prior_alpha = 0.6
 
-    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None) -> None:
-        """target: the loaded target Model; head: the eagle3 GGUF (heads.HeadModel). Raises IncompatibleDraftError
-        (one line) for a build without the calls, a head that is not EAGLE-3 or a target it cannot read."""
+    def __init__(self, target, head: "HeadModel", *, p_min: float = 0.75, cost: float | None = None,
+                 tap=None) -> None:
+        """target: the loaded target Model; head: the eagle3 GGUF (heads.HeadModel); tap: where the target's hidden
+        states are read (llama.taps; None: the target's own context). Raises IncompatibleDraftError (one line) for a
+        build without the calls, a head that is not EAGLE-3 or a target it cannot read."""
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("eagle3")
         if head.arch != "eagle3":
@@ -67,7 +69,8 @@ class Eagle3Drafter(HeadFileDrafter):
         self.ctx = heads.HeadContext(head.model_handle, n_ctx=target.n_ctx, n_batch=target.n_batch,
                                      n_threads=target.n_threads, kv_type=target.kv_type, ctx_other=target.ctx_handle,
                                      name=head.name)
-        heads.enable_layer_inp(target.ctx_handle, self.layer_ids)
+        self.tap = self._tap_for(target, tap)
+        self.tap.enable_layer_inp(self.layer_ids)
         heads.set_nextn(self.ctx.ctx, True, True)
         self._g: np.ndarray | None = None  # g rows of the target's last decode
         self._g_pos0 = 0  # position of self._g[0]
@@ -102,6 +105,13 @@ class Eagle3Drafter(HeadFileDrafter):
         self._g, self._g_pos0 = g, pos0
         self.hook_s += time.perf_counter() - t0
         self.hook_calls += 1
+
+    def keep(self, n: int) -> None:
+        # the pair at P holds token P + 1; a g row at P reads tokens up to P
+        n = max(int(n), 0)
+        self.ctx.seq_rm(max(n - 1, 0))
+        if self._g is not None:
+            self._g = self._g[:n - self._g_pos0] if n > self._g_pos0 else None
 
     def _g_at(self, pos: int) -> np.ndarray | None:
         if self._g is None or pos < self._g_pos0 or pos >= self._g_pos0 + len(self._g):

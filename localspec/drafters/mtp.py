@@ -41,8 +41,9 @@ class MtpDrafter(Drafter):
     title = "MTP"  # the target's own multi-token-prediction layers
     prior_alpha = 0.7
 
-    def __init__(self, target, *, p_min: float = 0.75, cost: float | None = None) -> None:
-        """target: a Model loaded with load_mtp=True whose GGUF has nextn layers. Raises IncompatibleDraftError."""
+    def __init__(self, target, *, p_min: float = 0.75, cost: float | None = None, tap=None) -> None:
+        """target: a Model loaded with load_mtp=True whose GGUF has nextn layers; tap: where the target's nextn states
+        are read (llama.taps; None: the target's own context). Raises IncompatibleDraftError."""
         from localspec.llama import heads  # lazily: the registry is imported by front ends that never load a model
         heads.require_head("mtp")
         n_nextn = heads.n_nextn_of(target.model_handle)
@@ -66,7 +67,12 @@ class MtpDrafter(Drafter):
         self.ctx = heads.HeadContext(target.model_handle, n_ctx=target.n_ctx, n_batch=target.n_batch,
                                      n_threads=target.n_threads, kv_type=target.kv_type,
                                      ctx_type=heads.CONTEXT_TYPE_MTP, name=f"{target.name} (MTP)")
-        heads.set_nextn(target.ctx_handle, True, False)
+        if tap is None:
+            from localspec.llama.taps import TargetTap
+
+            tap = TargetTap(target)
+        self.tap = tap
+        tap.enable_nextn()
         heads.set_nextn(self.ctx.ctx, True, True)
         self._h: np.ndarray | None = None
         self._h_pos0 = 0
@@ -87,10 +93,10 @@ class MtpDrafter(Drafter):
         n = len(tokens)
         if n == 0:
             return
-        m = (n - 1) % self.target.n_batch + 1  # only the last n_batch chunk's hidden states are left
+        h = self.tap.nextn(n, self.n_embd)  # the target's own context keeps only a long prompt's last chunk
+        m = len(h)
         toks = [int(t) for t in tokens[n - m:]]
         pos0 = int(positions[n - m])
-        h = heads.nextn_rows(self.target.ctx_handle, m, self.n_embd).copy()
         prev = self._h_at(pos0 - 1)
         rows = [(toks[0], pos0, prev, False)] if prev is not None else []
         rows += [(toks[k], pos0 + k, h[k - 1], False) for k in range(1, m)]
@@ -159,6 +165,18 @@ class MtpDrafter(Drafter):
             return draft_loop(run(0), k, sp, rng, next_row, lambda row: p_min <= 0.0 or top10_p(row) >= p_min)
         finally:
             self._offset(0)
+
+    def for_sequence(self, tap) -> "MtpDrafter":
+        """An MTP context of its own fed from `tap` (a batch slot's rows of each batched decode)."""
+        return MtpDrafter(self.target, p_min=self.p_min, cost=self._cost, tap=tap)
+
+    def keep(self, n: int) -> None:
+        """The sequence keeps only its first n tokens (a new request in a batch slot): the pair at k holds token k and
+        the state at k - 1, an h row at P reads tokens up to P."""
+        n = max(int(n), 0)
+        self.ctx.seq_rm(n)
+        if self._h is not None:
+            self._h = self._h[:n - self._h_pos0] if n > self._h_pos0 else None
 
     def close(self) -> None:
         self.ctx.close()  # the model is the target's

@@ -91,10 +91,16 @@ class MultiSeq:
         self.tokens: list[list[int]] = [[] for _ in range(self.n_seq)]
         self.decode_s = 0.0
         self.decodes = 0
+        self.last_rows: dict[int, tuple[int, int]] = {}  # seq -> (first row, rows) in the last decode's batch
 
     @property
     def name(self) -> str:
         return self.model.name
+
+    @property
+    def ctx_handle(self):
+        """The llama_context pointer, for the reads of the last decode's hidden states (llama/taps.py)."""
+        return self._ctx
 
     def decode(self, parts: Sequence[tuple[int, Sequence[int], Sequence[int]]], copy: bool = True
                ) -> list[np.ndarray]:
@@ -112,10 +118,12 @@ class MultiSeq:
         b = self._batch
         i = 0
         n_out = [0] * len(parts)
+        spans = {}
         for j in order:
             seq, toks, rows = parts[j]
             if not 0 <= seq < self.n_seq:
                 raise ValueError(f"no sequence {seq}")
+            spans[seq] = (i, len(toks)) if seq not in spans else None  # twice: not one run of rows
             base = len(self.tokens[seq])
             if base + len(toks) > self.n_ctx:
                 raise DecodeError(f"{self.name}: context full ({base} + {len(toks)} > {self.n_ctx} tokens)")
@@ -129,6 +137,7 @@ class MultiSeq:
                 i += 1
             n_out[j] = len(want)
         b.n_tokens = total
+        self.last_rows = {}
         t0 = time.perf_counter()
         rc = _ll.llama_decode(self._ctx, b)
         self.decode_s += time.perf_counter() - t0
@@ -137,6 +146,7 @@ class MultiSeq:
             raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
         for seq, toks, _ in parts:
             self.tokens[seq].extend(int(t) for t in toks)
+        self.last_rows = {seq: span for seq, span in spans.items() if span is not None}
         n_all = sum(n_out)
         arr = None
         if n_all:
