@@ -201,3 +201,20 @@ def require_exact_batching(res) -> None:
     if not exact:
         pytest.skip(f"batching is not bit-exact with this CPU's kernels ({why}); the probe's verdict is checked "
                     "against a direct decode in test_batch.py")
+
+
+@pytest.fixture
+def fresh_suffix_cache(tmp_path, monkeypatch):
+    """Its own cache dir and config, and no suffix corpus left in the process from another test (before and after)."""
+    from helpers import clean_env
+    from localspec.drafters import suffix as S
+    from localspec.store import suffixcache as SC
+
+    clean_env(monkeypatch, tmp_path / "cfg")
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    S._CORPORA.clear()
+    S._STATIC.clear()
+    SC._noticed.clear()
+    yield
+    S._CORPORA.clear()
+    S._STATIC.clear()

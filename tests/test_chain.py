@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS
-from helpers import clean_env
 from localspec.bench import replay as R
 from localspec.drafters import ChainedDrafter, chained
 from localspec.drafters.base import Drafter, Proposal
@@ -22,13 +21,7 @@ from localspec.sample.sampling import SamplingParams
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache(tmp_path, monkeypatch):
-    clean_env(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    S._CORPORA.clear()
-    yield
-    S._CORPORA.clear()
+pytestmark = pytest.mark.usefixtures("fresh_suffix_cache")  # each test: its own cache, no corpus left over
 
 
 class Scripted(Drafter):

@@ -15,24 +15,14 @@ from pathlib import Path
 import pytest
 
 from conftest import PROMPTS
-from helpers import assert_same_distribution, clean_env, second_tokens
+from helpers import assert_same_distribution, second_tokens
 from localspec.drafters import suffix as S
 from localspec.store import suffixcache as SC
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def fresh_cache(tmp_path, monkeypatch):
-    """Each test: its own cache dir and config, and no corpus left in the process from another test."""
-    clean_env(monkeypatch, tmp_path / "cfg")
-    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    S._CORPORA.clear()
-    S._STATIC.clear()
-    SC._noticed.clear()
-    yield
-    S._CORPORA.clear()
-    S._STATIC.clear()
+pytestmark = pytest.mark.usefixtures("fresh_suffix_cache")  # each test: its own cache, no corpus left over
 
 
 @pytest.fixture(scope="module")
