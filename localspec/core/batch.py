@@ -4,8 +4,11 @@ N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every a
 llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
 tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
 single-sequence Engine, so grammars, logprobs and logit_bias batch like any request; draft heads (they read the
-target's own context) and recurrent draft models take the single-sequence Engine (`single_reason`).
+target's own context) take the single-sequence Engine (`single_reason`).
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
+A recurrent/hybrid target (or draft model) rolls each slot back on its own (llama/multiseq.py: a plane, or the
+slot's checkpoint and a replay); the replays of a step are decoded together after its verify, and each request's
+stats count its slot's restores and replayed tokens, as the single path's do.
 
 Rules, and why (docs/design.md, "Batching", has the measurements behind them):
 - a slot's controller is timed by its share of the step and prices a verify of b rows by what it adds to the
@@ -53,6 +56,7 @@ class _Run(Generation):
         super().__init__(*args, **kw)
         self.seq = seq
         self.prefill = prefill
+        self.roll0: tuple[dict, dict | None] = ({}, None)  # the slot's rollback counters when it joined
 
 
 class BatchEngine(PassShapes):
@@ -236,9 +240,10 @@ class BatchEngine(PassShapes):
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
         seq = self._choose_slot(prompt, free)
+        roll0 = self._rollback_counters(seq)  # the prefix's restore is this request's, as on the single path
         common = self.ms.take_prefix(seq, prompt)  # its own cache's, or another slot's
-        if common == len(prompt):
-            common -= 1  # the last prompt token is decoded again for its logits
+        if common == len(prompt):  # the last prompt token is decoded again for its logits
+            common = self.ms.reachable(seq, common - 1)  # a recurrent state: where it rolls back without a replay
         self.ms.truncate(seq, common)
         method = self.engine.resolve_method(cfg)
         drafters = {}
@@ -256,7 +261,8 @@ class BatchEngine(PassShapes):
         # curve); its live T(1) is the slot's share of a step
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
         stats = new_stats(cfg, label, k, level, why)
-        stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
+        stats.rollback = self.ms.rollback_kind
+        stats.draft_rollback = self.drafts.rollback_kind if "draft" in policy.drafters else ""
         if method == "auto" and label != "none" and "draft" not in policy.drafters:
             why = "batched: auto speculates with prompt lookup and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
@@ -268,7 +274,13 @@ class BatchEngine(PassShapes):
             drafter.begin(prompt)
         self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats, bias=bias,
                               sink=sink or (lambda ev: None), cancel=cancel)
+        self.runs[seq].roll0 = roll0
         return seq
+
+    def _rollback_counters(self, seq: int) -> tuple[dict, dict | None]:
+        """Slot `seq`'s rollback counters on the target's and the draft model's sequences (take differences)."""
+        return self.ms.rollback_counters(seq), (self.drafts.rollback_counters(seq) if self.drafts is not None
+                                                else None)
 
     def _suffix_drafter(self, seq: int):
         """Slot `seq`'s suffix drafter. The requests finished in the other free slots join the shared corpus first,
@@ -376,6 +388,10 @@ class BatchEngine(PassShapes):
                 self._prefilled(run, part[1], rows, share)
             else:
                 self._verified(run, rows, share)
+        # the step's rollbacks that restored a checkpoint: their replays, every slot's in one decode
+        self.ms.flush()
+        if self.drafts is not None:
+            self.drafts.flush()
         return total
 
     def _release_finished(self) -> None:
@@ -399,6 +415,8 @@ class BatchEngine(PassShapes):
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None
+        (t0, d0), (t1, d1) = run.roll0, self._rollback_counters(run.seq)
+        run.stats.add_rollback(t0, t1, d0, d1)
         run.close()
 
     def fail_all(self) -> list[_Run]:
