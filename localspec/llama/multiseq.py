@@ -218,6 +218,8 @@ class MultiSeq:
     def flush(self) -> int:
         """Decode every sequence's pending replay (the accepted tokens after a restored checkpoint), all sequences'
         in one llama_decode where they fit n_batch. Returns the tokens replayed."""
+        if not self.recurrent:
+            return 0
         lag = {s: self.tokens[s][self.states.done[s]:] for s in range(self.n_seq)
                if self.states.done[s] < len(self.tokens[s])}
         total = 0
