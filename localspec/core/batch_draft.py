@@ -143,8 +143,12 @@ class BatchDraft:
         """How a slot's rejected drafts leave its sequence: the MultiSeq's kind, or the model's before it exists."""
         return self.ms.rollback_kind if self.ms is not None else getattr(self.model, "rollback_kind", "kv")
 
-    def rollback_counters(self, seq: int) -> dict | None:
-        return self.ms.rollback_counters(seq) if self.ms is not None else None
+    def rollback_counters(self, seq: int) -> dict:
+        """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""
+        if self.ms is None:
+            return {"restores": 0, "replayed_tokens": 0, "rs_rollbacks": 0, "checkpoint_bytes": 0, "save_s": 0.0,
+                    "restore_s": 0.0}
+        return self.ms.rollback_counters(seq)
 
     def flush(self) -> None:
         """Decode the slots' pending replays (a recurrent draft model's accepted drafts after a restore)."""
