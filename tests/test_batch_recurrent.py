@@ -219,3 +219,40 @@ def test_serve_parallel_batches_a_recurrent_target(hybrid_path, tmp_path):
             steps0 = worker.batch.steps
             assert [text(r) for r in at_once(s, bodies)] == one_by_one
             assert worker.batch.steps > steps0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_steps_with_cells_out_of_order_never_read_a_stale_plane(hybrid_path, seed):
+    """Sequences that first decoded in another order than their ids (llama.cpp then gathers their recurrent cells
+    for each pass, moving them), random rows per step, random rollbacks: every row equals one-token decoding. A
+    sequence outside a decode's last pass never selects a plane: a later pass may have written its planes over."""
+    with Model(hybrid_path, n_ctx=CTX, n_threads=1) as m:
+        ms = MultiSeq(m, 4)
+        try:
+            rng = np.random.default_rng(seed)
+            ids = m.tokenize(" ".join(PROMPTS) * 2)
+            texts = {s: ids[3 * s:] for s in range(4)}
+            refs = {s: one_token_rows(ms, texts[s]) for s in texts}
+            pos = dict.fromkeys(texts, 4)
+            for s in (3, 1, 0, 2):
+                ms.decode([(s, texts[s][:4], [])])
+            for _ in range(30):
+                parts = []
+                for s in texts:
+                    if rng.random() < 0.3:
+                        continue
+                    b = int(rng.integers(1, 6))
+                    if pos[s] + b + 2 < len(texts[s]):
+                        parts.append((s, texts[s][pos[s]:pos[s] + b], range(b)))
+                if not parts:
+                    continue
+                for (s, toks, _), rows in zip(parts, ms.decode(parts)):
+                    for i in range(len(toks)):
+                        assert _close(rows[i], refs[s][pos[s] + i]), (s, pos[s] + i)
+                    pos[s] += int(rng.integers(0, len(toks) + 1))
+                    ms.truncate(s, pos[s])
+                if rng.random() < 0.5:
+                    ms.flush()
+            assert sum(ms.rollback_counters(s)["rs_rollbacks"] for s in texts) > 0
+        finally:
+            ms.close()
