@@ -256,3 +256,20 @@ def test_random_steps_with_cells_out_of_order_never_read_a_stale_plane(hybrid_pa
             assert sum(ms.rollback_counters(s)["rs_rollbacks"] for s in texts) > 0
         finally:
             ms.close()
+
+
+def test_kv_layout_auto_keeps_separate_streams_for_a_recurrent_target(hybrid_path):
+    """One unified KV cache makes a transformer's step one forward pass; a recurrent state splits it into passes per
+    sequence either way, so `--kv-layout auto` keeps the streams (and the exactness they keep) separate."""
+    e = Engine.load(hybrid_path, n_ctx=CTX, threads=1)
+    b = BatchEngine(e, 3, layout="auto")
+    try:
+        b.probe()
+        assert b.layout == "split" and not b.ms.unified
+        assert "recurrent" in b.layout_why or "bit-identical" in b.layout_why
+        got = b.generate_all([(e.raw_prompt(p), gen_config("lookup", max_tokens=30)) for p in PROMPTS[:3]])
+        assert [r.tokens for r in got] == [alone(e, p, gen_config("lookup", max_tokens=30)).tokens
+                                           for p in PROMPTS[:3]]
+    finally:
+        b.close()
+        e.close()

@@ -177,12 +177,16 @@ class BatchEngine(PassShapes):
         separate streams llama.cpp runs a slot's drafted rows as a pass of their own (multiseq.split_equal), which
         on a compute-bound CPU made `auto` slower than plain decoding at 4 clients (docs/design.md). The price: a request alone keeps bit exactness only over separate streams (in one cache, other requests'
         rollbacks leave its cells out of position order), so where a full batch is bit-identical (an F16 model on
-        a CPU) or nothing drafts, the streams stay separate. Returns the probe result that now holds."""
+        a CPU) or nothing drafts, the streams stay separate; and for a recurrent/hybrid target, whose batches
+        llama.cpp splits in passes of equal rows per sequence in either layout (its recurrent cells take one state
+        per sequence). Returns the probe result that now holds."""
         n = self.n_slots
         full = res.exact or (not res.blanket and res.shapes.get((n, 1), False))
-        if full or not self.speculative:
-            self.layout_why = ("separate KV streams: " + (f"a full batch of {n} requests is bit-identical here"
-                               if full else "plain decoding drafts no rows to share a pass"))
+        if full or not self.speculative or self.ms.recurrent:
+            self.layout_why = "separate KV streams: " + (
+                f"a full batch of {n} requests is bit-identical here" if full else
+                "plain decoding drafts no rows to share a pass" if not self.speculative else
+                "a recurrent state splits a step into passes per sequence in one KV cache too")
             return res
         from localspec.llama.multiseq import MultiSeq
 
