@@ -221,13 +221,15 @@ def test_serve_parallel_batches_a_recurrent_target(hybrid_path, tmp_path):
             assert worker.batch.steps > steps0
 
 
+@pytest.mark.parametrize("unified", [False, True])
 @pytest.mark.parametrize("seed", range(4))
-def test_random_steps_with_cells_out_of_order_never_read_a_stale_plane(hybrid_path, seed):
+def test_random_steps_with_cells_out_of_order_never_read_a_stale_plane(hybrid_path, seed, unified):
     """Sequences that first decoded in another order than their ids (llama.cpp then gathers their recurrent cells
     for each pass, moving them), random rows per step, random rollbacks: every row equals one-token decoding. A
-    sequence outside a decode's last pass never selects a plane: a later pass may have written its planes over."""
+    sequence outside a decode's last pass never selects a plane: a later pass may have written its planes over. In
+    one unified KV cache too (a hybrid's passes then take sequences that are not consecutive)."""
     with Model(hybrid_path, n_ctx=CTX, n_threads=1) as m:
-        ms = MultiSeq(m, 4)
+        ms = MultiSeq(m, 4, unified=unified)
         try:
             rng = np.random.default_rng(seed)
             ids = m.tokenize(" ".join(PROMPTS) * 2)
