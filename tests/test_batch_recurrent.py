@@ -275,3 +275,22 @@ def test_kv_layout_auto_keeps_separate_streams_for_a_recurrent_target(hybrid_pat
     finally:
         b.close()
         e.close()
+
+
+def test_a_slots_replay_is_counted_in_its_verify_cost(mamba_path, monkeypatch):
+    """A rollback that leaves a replay adds the replay's rows, at the step's time per row, to what the request's
+    verify cost (its stats and its controller), as the single path's clock includes its replay decode."""
+    e = Engine.load(mamba_path, n_ctx=CTX, threads=1)
+    b = BatchEngine(e, 2, pad=False)
+    verified = BatchEngine._verified
+    monkeypatch.setattr(BatchEngine, "_verified",
+                        lambda self, run, rows, share, per_row: verified(self, run, rows, share, 1000.0))
+    try:
+        prompts = [mutated_prompt(e, p, every) for p, every in zip(PROMPTS, (4, 5))]
+        got = b.generate_all([(p, gen_config("lookup", k=4, max_tokens=40, exactness="lossless")) for p in prompts])
+        assert sum(r.stats.replayed_tokens for r in got) > 0
+        for r in got:
+            assert 1000.0 * r.stats.replayed_tokens <= r.stats.verify_s < 1000.0 * r.stats.replayed_tokens + 100
+    finally:
+        b.close()
+        e.close()

@@ -391,7 +391,7 @@ class BatchEngine(PassShapes):
             if run.step is None:
                 self._prefilled(run, part[1], rows, share)
             else:
-                self._verified(run, rows, share)
+                self._verified(run, rows, share, dt / total)
         # the step's rollbacks that restored a checkpoint: their replays, every slot's in one decode
         self.ms.flush()
         if self.drafts is not None:
@@ -413,9 +413,15 @@ class BatchEngine(PassShapes):
         run.stats.prompt_s = time.perf_counter() - run.t0
         run.guarded(run.start, rows[0])
 
-    def _verified(self, run: _Run, rows, share: float) -> None:
+    def _verified(self, run: _Run, rows, share: float, per_row: float) -> None:
         # past the drafts' rows: padding (_pad), rolled back with the rejected rows
-        run.guarded(run.verified, rows, lambda n: self.ms.truncate(run.seq, n), share=share)
+        def cut(n: int) -> float:
+            """Roll back; what the replay it leaves (a recurrent state's restore) will cost, at this decode's time
+            per row: the step's flush decodes it, and the slot's controller counts it, as the single path does."""
+            self.ms.truncate(run.seq, n)
+            return per_row * self.ms.pending(run.seq)
+
+        run.guarded(run.verified, rows, cut, share=share)
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None

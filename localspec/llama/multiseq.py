@@ -240,6 +240,10 @@ class MultiSeq:
                     del lag[s]
         return total
 
+    def pending(self, seq: int) -> int:
+        """Tokens of sequence `seq` waiting to be replayed (flush)."""
+        return len(self.tokens[seq]) - self.states.done[seq] if self.recurrent else 0
+
     def passes(self, counts: Sequence[tuple[int, int]]) -> list[list[tuple[int, int, int]]]:
         """The forward passes one decode() of (seq, rows) counts runs as (see split_equal); one unified KV cache
         takes the whole batch in one pass (n_ubatch = n_batch). A recurrent/hybrid model's batch is always split in
