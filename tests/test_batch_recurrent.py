@@ -294,3 +294,19 @@ def test_a_slots_replay_is_counted_in_its_verify_cost(mamba_path, monkeypatch):
     finally:
         b.close()
         e.close()
+
+
+def test_the_batch_probes_verdict_is_kept_per_rollback_kind(hybrid_path, monkeypatch):
+    """Recurrent-state planes change how llama.cpp splits a batch into passes, so the cached verdict of the batch
+    probe for a hybrid with planes is not the one for the same file on checkpoints."""
+    keys = []
+    for forced in ("", "checkpoint"):
+        monkeypatch.setenv("LOCALSPEC_ROLLBACK", forced)
+        e = Engine.load(hybrid_path, n_ctx=CTX, threads=1)
+        b = BatchEngine(e, 2)
+        try:
+            keys.append((b.ms.rollback_kind, b._probe_key()))
+        finally:
+            b.close()
+            e.close()
+    assert [k for k, _ in keys] == ["rs", "checkpoint"] and keys[0][1] != keys[1][1]

@@ -147,10 +147,13 @@ class BatchEngine(PassShapes):
 
     def _probe_key(self) -> str:
         """What decides the probe's verdict besides the model and the build: the slots, the rows a bit request
-        verifies, the pass size, the cache layout and size, and the probe's revision (raised when _probe checks
-        more, so a verdict of a probe that checked less is not trusted)."""
+        verifies, the pass size, the cache layout and size, a recurrent state's rollback (its planes change how
+        llama.cpp splits a batch into passes), and the probe's revision (raised when _probe checks more, so a
+        verdict of a probe that checked less is not trusted)."""
+        rollback = [f"rollback={self.ms.rollback_kind}:{self.ms.rs_seq}"] if self.ms.recurrent else []
         return X.batch_probe_key(self.target, f"rev={X.BATCH_REV}", f"slots={self.n_slots}", f"rows={self.bit_rows()}",
-                                 f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}")
+                                 f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}",
+                                 *rollback)
 
     def probe_cached(self) -> bool:
         """Whether probe(cache=True) is answered from the cache (or was run already): no probe decodes."""
