@@ -76,6 +76,49 @@ def batch(engine):
     b.close()
 
 
+REPEAT = "the cat and the dog and the cat and the dog and the cat and the"  # prompt lookup finds matches
+RECURRENT_CTX = 512  # the recurrent models' context in their tests (below the exactness probe's long prefix)
+
+
+def _recurrent_model(path_for, writer) -> Path:
+    """A fabricated recurrent/hybrid model whose greedy margins stay >= 0.1 over 70 tokens of every prompt (its
+    verify rows differ from one-token decodes by up to ~0.016)."""
+    return wide_margin_model(path_for, writer, range(1, 30), PROMPTS + [REPEAT], 70, 0.1, n_ctx=RECURRENT_CTX,
+                             n_threads=1)
+
+
+@pytest.fixture(scope="session")
+def hybrid_path(model_dir) -> Path:
+    """An LFM2-style hybrid (short-convolution recurrent layers and attention): rolls back by RS planes."""
+    from tinymodels import write_lfm2
+
+    return _recurrent_model(lambda s: model_dir / f"lfm2-{s}.gguf", write_lfm2)
+
+
+@pytest.fixture(scope="session")
+def hybrid_draft_path(model_dir) -> Path:  # same vocab, other weights: low acceptance
+    from tinymodels import write_lfm2
+
+    return write_lfm2(model_dir / "lfm2-draft.gguf", 2001)
+
+
+@pytest.fixture(scope="session")
+def mamba_path(model_dir) -> Path:
+    """A Mamba-1 model (purely recurrent): rolls back by checkpoints."""
+    from tinymodels import write_mamba
+
+    return _recurrent_model(lambda s: model_dir / f"mamba-{s}.gguf", write_mamba)
+
+
+@pytest.fixture(params=["rs", "checkpoint", "mamba"])
+def recurrent(request, hybrid_path, mamba_path, monkeypatch):
+    """(path, expected rollback kind): the hybrid with RS planes, the hybrid forced onto checkpoints, Mamba-1."""
+    if request.param == "checkpoint":
+        monkeypatch.setenv("LOCALSPEC_ROLLBACK", "checkpoint")
+    path = mamba_path if request.param == "mamba" else hybrid_path
+    return path, "checkpoint" if request.param == "mamba" else request.param
+
+
 @pytest.fixture(scope="session")
 def other_vocab_path(model_dir) -> Path:
     return write_model(model_dir / "other.gguf", 7, words=OTHER_WORDS)

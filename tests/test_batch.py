@@ -292,9 +292,12 @@ def test_bit_requests_in_separate_streams_stay_bit(engine, batch, exact_batching
     assert [x.tokens for x in r] == [alone(engine, p, cfg_for("none", exactness="bit")).tokens for p in PROMPTS]
 
 
-def test_a_recurrent_target_is_refused_so_serve_keeps_one_at_a_time(tmp_path):
+def test_a_recurrent_target_that_cannot_roll_back_is_refused_so_serve_keeps_one_at_a_time(tmp_path, monkeypatch):
+    """A recurrent target batches (tests/test_batch_recurrent.py) where its state rolls back; where it cannot
+    (rollback none), its requests decode plainly, one at a time."""
     from tinymodels import write_mamba
 
+    monkeypatch.setenv("LOCALSPEC_ROLLBACK", "none")
     e = Engine.load(write_mamba(tmp_path / "mamba.gguf", 3), n_ctx=512)
     try:
         with pytest.raises(UsageError, match="recurrent"):

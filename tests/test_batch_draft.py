@@ -142,9 +142,12 @@ def test_auto_may_choose_the_draft_model_in_a_batch(twin):
     assert "batched: auto speculates with prompt lookup" not in got[0].stats.reason
 
 
-def test_a_recurrent_draft_model_keeps_the_single_path(target_path, tmp_path):
+def test_a_recurrent_draft_model_that_cannot_roll_back_keeps_the_single_path(target_path, tmp_path, monkeypatch):
+    """A recurrent draft model drafts in the batch (tests/test_batch_recurrent.py) where its state rolls back; where
+    it cannot (rollback none), draft-model requests take the single-sequence path."""
     from tinymodels import write_mamba
 
+    monkeypatch.setenv("LOCALSPEC_ROLLBACK", "none")
     e = Engine.load(target_path, write_mamba(tmp_path / "mamba.gguf", 3), n_ctx=512)
     b = BatchEngine(e, 2)
     try:

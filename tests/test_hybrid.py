@@ -6,50 +6,17 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 
-from conftest import PROMPTS, wide_margin_model
+from conftest import PROMPTS, REPEAT
 from helpers import assert_same_distribution, second_tokens
 from localspec.core.engine import Engine, GenConfig
 from localspec.drafters.base import Drafter, Proposal
 from localspec.llama.lib import ll
 from localspec.llama.model import Model
-from tinymodels import greedy_margins, write_lfm2, write_mamba
+from tinymodels import greedy_margins, write_lfm2
 
 N = 60  # tokens per exactness check
-MIN_MARGIN = 0.1  # verify rows of the hybrid differ from one-token decodes by up to ~0.016
 CTX = 512  # below the probe's long prefix: keeps the tests fast
-REPEAT = "the cat and the dog and the cat and the dog and the cat and the"  # prompt lookup finds matches
-
-
-def _pick(path_for, writer, seeds):
-    return wide_margin_model(path_for, writer, seeds, PROMPTS + [REPEAT], N + 10, MIN_MARGIN, n_ctx=CTX, n_threads=1)
-
-
-@pytest.fixture(scope="session")
-def hybrid_path(model_dir):
-    return _pick(lambda s: model_dir / f"lfm2-{s}.gguf", write_lfm2, range(1, 30))
-
-
-@pytest.fixture(scope="session")
-def hybrid_draft_path(model_dir):  # same vocab, other weights: low acceptance
-    return write_lfm2(model_dir / "lfm2-draft.gguf", 2001)
-
-
-@pytest.fixture(scope="session")
-def mamba_path(model_dir):
-    return _pick(lambda s: model_dir / f"mamba-{s}.gguf", write_mamba, range(1, 30))
-
-
-@pytest.fixture(params=["rs", "checkpoint", "mamba"])
-def recurrent(request, hybrid_path, mamba_path, monkeypatch):
-    """(path, expected rollback kind): the hybrid with RS planes, the hybrid forced onto checkpoints, Mamba-1."""
-    if request.param == "checkpoint":
-        monkeypatch.setenv("LOCALSPEC_ROLLBACK", "checkpoint")
-    path = mamba_path if request.param == "mamba" else hybrid_path
-    return path, "checkpoint" if request.param == "mamba" else request.param
-
-
 TOL = 0.05  # batched and one-token decoding differ by float order (<= ~0.016 here); a stale state by > 1
 
 

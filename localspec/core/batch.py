@@ -4,9 +4,12 @@ N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every a
 llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
 tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
 single-sequence Engine, so grammars, logprobs and logit_bias batch like any request. A draft head (EAGLE-3, DFlash,
-DSpark, MTP) drafts in its slot from that slot's rows of each batched decode (core/batch_heads.py); recurrent draft
-models take the single-sequence Engine (`single_reason`).
+DSpark, MTP) drafts in its slot from that slot's rows of each batched decode (core/batch_heads.py); a draft
+model of another vocabulary drafts per slot on its own sequence (core/batch_xvocab.py).
 Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
+A recurrent/hybrid target (or draft model) rolls each slot back on its own (llama/multiseq.py: a plane, or the
+slot's checkpoint and a replay); the replays of a step are decoded together after its verify, and each request's
+stats count its slot's restores and replayed tokens, as the single path's do.
 
 Rules, and why (docs/design.md, "Batching", has the measurements behind them):
 - a slot's controller is timed by its share of the step and prices a verify of b rows by what it adds to the
@@ -55,6 +58,7 @@ class _Run(Generation):
         super().__init__(*args, **kw)
         self.seq = seq
         self.prefill = prefill
+        self.roll0: tuple[dict, dict | None] = ({}, None)  # the slot's rollback counters when it joined
 
 
 class BatchEngine(PassShapes):
@@ -147,10 +151,13 @@ class BatchEngine(PassShapes):
 
     def _probe_key(self) -> str:
         """What decides the probe's verdict besides the model and the build: the slots, the rows a bit request
-        verifies, the pass size, the cache layout and size, and the probe's revision (raised when _probe checks
-        more, so a verdict of a probe that checked less is not trusted)."""
+        verifies, the pass size, the cache layout and size, a recurrent state's rollback (its planes change how
+        llama.cpp splits a batch into passes), and the probe's revision (raised when _probe checks more, so a
+        verdict of a probe that checked less is not trusted)."""
+        rollback = [f"rollback={self.ms.rollback_kind}:{self.ms.rs_seq}"] if self.ms.recurrent else []
         return X.batch_probe_key(self.target, f"rev={X.BATCH_REV}", f"slots={self.n_slots}", f"rows={self.bit_rows()}",
-                                 f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}")
+                                 f"n_batch={self.ms.n_batch}", f"n_ctx={self.ms.n_ctx}", f"unified={self.ms.unified}",
+                                 *rollback)
 
     def probe_cached(self) -> bool:
         """Whether probe(cache=True) is answered from the cache (or was run already): no probe decodes."""
@@ -177,12 +184,16 @@ class BatchEngine(PassShapes):
         separate streams llama.cpp runs a slot's drafted rows as a pass of their own (multiseq.split_equal), which
         on a compute-bound CPU made `auto` slower than plain decoding at 4 clients (docs/design.md). The price: a request alone keeps bit exactness only over separate streams (in one cache, other requests'
         rollbacks leave its cells out of position order), so where a full batch is bit-identical (an F16 model on
-        a CPU) or nothing drafts, the streams stay separate. Returns the probe result that now holds."""
+        a CPU) or nothing drafts, the streams stay separate; and for a recurrent/hybrid target, whose batches
+        llama.cpp splits in passes of equal rows per sequence in either layout (its recurrent cells take one state
+        per sequence). Returns the probe result that now holds."""
         n = self.n_slots
         full = res.exact or (not res.blanket and res.shapes.get((n, 1), False))
-        if full or not self.speculative:
-            self.layout_why = ("separate KV streams: " + (f"a full batch of {n} requests is bit-identical here"
-                               if full else "plain decoding drafts no rows to share a pass"))
+        if full or not self.speculative or self.ms.recurrent:
+            self.layout_why = "separate KV streams: " + (
+                f"a full batch of {n} requests is bit-identical here" if full else
+                "plain decoding drafts no rows to share a pass" if not self.speculative else
+                "a recurrent state splits a step into passes per sequence in one KV cache too")
             return res
         from localspec.llama.multiseq import MultiSeq
 
@@ -242,9 +253,10 @@ class BatchEngine(PassShapes):
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
         seq = self._choose_slot(prompt, free)
+        roll0 = self._rollback_counters(seq)  # the prefix's restore is this request's, as on the single path
         common = self.ms.take_prefix(seq, prompt)  # its own cache's, or another slot's
-        if common == len(prompt):
-            common -= 1  # the last prompt token is decoded again for its logits
+        if common == len(prompt):  # the last prompt token is decoded again for its logits
+            common = self.ms.reachable(seq, common - 1)  # a recurrent state: where it rolls back without a replay
         self.ms.truncate(seq, common)
         method = self.engine.resolve_method(cfg)
         drafters = {}
@@ -271,7 +283,9 @@ class BatchEngine(PassShapes):
         # curve); its live T(1) is the slot's share of a step
         policy, label = build_policy(cfg, method if drafters else "none", k, drafters, self.controller_state)
         stats = new_stats(cfg, label, k, level, why)
-        stats.draft_rollback = "kv" if "draft" in policy.drafters else ""
+        stats.rollback = self.ms.rollback_kind
+        if "draft" in policy.drafters:
+            stats.draft_rollback = self.drafts.rollback_kind if self.drafts is not None else "kv"
         if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "suffix"}:
             why = "batched: auto speculates with prompt lookup and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
@@ -283,7 +297,13 @@ class BatchEngine(PassShapes):
             drafter.begin(prompt)
         self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats, bias=bias,
                               sink=sink or (lambda ev: None), cancel=cancel)
+        self.runs[seq].roll0 = roll0
         return seq
+
+    def _rollback_counters(self, seq: int) -> tuple[dict, dict | None]:
+        """Slot `seq`'s rollback counters on the target's and the draft model's sequences (take differences)."""
+        return self.ms.rollback_counters(seq), (self.drafts.rollback_counters(seq) if self.drafts is not None
+                                                else None)
 
     def _suffix_drafter(self, seq: int):
         """Slot `seq`'s suffix drafter. The requests finished in the other free slots join the shared corpus first,
@@ -391,7 +411,11 @@ class BatchEngine(PassShapes):
             if run.step is None:
                 self._prefilled(run, part[1], rows, share)
             else:
-                self._verified(run, rows, share)
+                self._verified(run, rows, share, dt / total)
+        # the step's rollbacks that restored a checkpoint: their replays, every slot's in one decode
+        self.ms.flush()
+        if self.drafts is not None:
+            self.drafts.flush()
         return total
 
     def _release_finished(self) -> None:
@@ -409,13 +433,21 @@ class BatchEngine(PassShapes):
         run.stats.prompt_s = time.perf_counter() - run.t0
         run.guarded(run.start, rows[0])
 
-    def _verified(self, run: _Run, rows, share: float) -> None:
+    def _verified(self, run: _Run, rows, share: float, per_row: float) -> None:
         # past the drafts' rows: padding (_pad), rolled back with the rejected rows
-        run.guarded(run.verified, rows, lambda n: self.ms.truncate(run.seq, n), share=share)
+        def cut(n: int) -> float:
+            """Roll back; what the replay it leaves (a recurrent state's restore) will cost, at this decode's time
+            per row: the step's flush decodes it, and the slot's controller counts it, as the single path does."""
+            self.ms.truncate(run.seq, n)
+            return per_row * self.ms.pending(run.seq)
+
+        run.guarded(run.verified, rows, cut, share=share)
 
     def _release(self, run: _Run) -> None:
         self.runs[run.seq] = None
         self.heads.release(run.seq)
+        (t0, d0), (t1, d1) = run.roll0, self._rollback_counters(run.seq)
+        run.stats.add_rollback(t0, t1, d0, d1)
         run.close()
 
     def fail_all(self) -> list[_Run]:

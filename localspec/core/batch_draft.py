@@ -23,8 +23,10 @@ Draft models do not change the exactness level: the target verifies every token.
 bit-identical to the single-sequence draft (it is on the CPU builds measured, where the texts then match the
 single path's even when sampling).
 
-Recurrent/hybrid draft models (rollback_kind != "kv") cannot share a batch (MultiSeq refuses them): draft-model
-requests then keep the single-sequence path (BatchEngine.single_reason says so).
+A recurrent/hybrid draft model rolls each slot's sequence back on its own (llama/multiseq.py): before the rounds
+every drafting slot saves its state, so rejected drafts are undone by a restore (or a plane) and the accepted ones
+decoded again with the step's other replays. A draft model that cannot roll back at all (rollback "none") keeps
+draft-model requests on the single-sequence path (BatchEngine.single_reason says so).
 """
 
 from __future__ import annotations
@@ -50,9 +52,12 @@ def batch_draft_reason(engine) -> str:
     if draft is None:
         return ""
     kind = getattr(draft, "rollback_kind", "kv")
-    if kind != "kv":
-        return (f"the draft model {draft.name} keeps a recurrent state ({kind} rollback): draft-model requests run "
-                "on the single-sequence path")
+    if kind == "none":
+        return (f"the draft model {draft.name} keeps a recurrent state that cannot be rolled back here: draft-model "
+                "requests run on the single-sequence path")
+    if getattr(engine, "draft_kind", None) == "cross-vocab" and kind != "kv":  # core/batch_xvocab.py: KV drafts only
+        return (f"the draft model {draft.name} has another vocabulary and keeps a recurrent state ({kind} rollback): "
+                "draft-model requests run on the single-sequence path")
     return ""
 
 
@@ -134,6 +139,23 @@ class BatchDraft:
         if self.ms is not None:
             self.ms.truncate(seq, n_keep)
 
+    @property
+    def rollback_kind(self) -> str:
+        """How a slot's rejected drafts leave its sequence: the MultiSeq's kind, or the model's before it exists."""
+        return self.ms.rollback_kind if self.ms is not None else getattr(self.model, "rollback_kind", "kv")
+
+    def rollback_counters(self, seq: int) -> dict:
+        """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""
+        if self.ms is None:
+            return {"restores": 0, "replayed_tokens": 0, "rs_rollbacks": 0, "checkpoint_bytes": 0, "save_s": 0.0,
+                    "restore_s": 0.0}
+        return self.ms.rollback_counters(seq)
+
+    def flush(self) -> None:
+        """Decode the slots' pending replays (a recurrent draft model's accepted drafts after a restore)."""
+        if self.ms is not None:
+            self.ms.flush()
+
     def drafter(self, seq: int, p_min: float) -> SlotDrafter:
         d = self.slots[seq]
         d.p_min = p_min
@@ -170,8 +192,8 @@ class BatchDraft:
                 d.ready = Proposal()
                 continue
             common = ms.take_prefix(d.seq, context)  # its own cache's, or another slot's (a shared system prompt)
-            if common == len(context):
-                common -= 1  # the last context token is decoded again for its logits
+            if common == len(context):  # the last context token is decoded again for its logits
+                common = ms.reachable(d.seq, common - 1)  # a recurrent state: where it gets back without a replay
             ms.truncate(d.seq, common)
             chunk = min(self.chunk, ms.n_batch)
             if len(context) - common > chunk:
@@ -184,6 +206,9 @@ class BatchDraft:
             return {}
         t0 = time.perf_counter()
         self._catch_up(slots, behind)
+        for s in slots:
+            if s.k > 1:  # a recurrent state cannot undo the rounds' one-row decodes: what their rollback restores
+                ms.save_checkpoint(s.drafter.seq)
         t1 = time.perf_counter()
         per_row = (t1 - t0) / (sum(len(toks) for _, toks in behind) + sum(s.n_catch_up for s in slots))
         shares = {}

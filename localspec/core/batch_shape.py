@@ -100,10 +100,11 @@ class PassShapes:
         curve = self._calibrated()
         if not curve:
             return
-        key = (n, self.ms.unified)
+        one_pass = self.ms.unified and not self.ms.recurrent  # a recurrent target's steps split per sequence
+        key = (n, one_pass)
         ratios = self._ratios.get(key)
         if ratios is None:
-            ratios = self._ratios[key] = batch_ratios(curve, n, self.ms.unified, self.pad is not False, MAX_ROWS)
+            ratios = self._ratios[key] = batch_ratios(curve, n, one_pass, self.pad is not False, MAX_ROWS)
         for run in self._live():
             run.policy.set_verify_prices(ratios)
 

@@ -229,7 +229,8 @@ class Generation:
                  share: float | None = None) -> None:
         """The step's logits (rows: one per decoded row; rows past the drafts are padding and ignored): verify,
         cut the cache after the accepted tokens (truncate(length)), feed the drafter and the policy, emit.
-        The step's cost: `share` seconds (a batch: this request's part of the step), or the time since t_start."""
+        The step's cost: `share` seconds (a batch: this request's part of the step) plus what truncate returns (a
+        batch: its replay's part of a later decode), or the time since t_start (the replay included)."""
         step, self.step = self.step, None
         cfg, st, sp = self.cfg, self.stats, self.cfg.sampling
         drafter, k, proposal = step.drafter, step.k, step.proposal
@@ -250,10 +251,10 @@ class Generation:
             p = np.stack([probs(r, sp) for r in rows])
             q = proposal.q if proposal.q is not None else one_hot(proposal.tokens, self.target.n_vocab)
             n_acc, nxt = speculative_sampling(proposal.tokens, q, p, self.rng)
-        truncate(step.base + 1 + n_acc)
+        replay_s = truncate(step.base + 1 + n_acc)
         if drafter is not None and gamma:
             drafter.accept(gamma, n_acc)
-        cost = share if share is not None else time.perf_counter() - t_start
+        cost = share + (replay_s or 0.0) if share is not None else time.perf_counter() - t_start
         st.verify_s += cost
         if not gamma:
             st.plain_s += cost

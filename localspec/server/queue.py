@@ -71,7 +71,7 @@ class Worker:
             try:
                 self.batch = BatchEngine(session.engine, parallel, layout=kv_layout, speculative=speculative)
                 self.parallel = parallel
-            except UsageError as exc:  # a recurrent/hybrid target: one at a time
+            except UsageError as exc:  # a recurrent target whose state cannot be rolled back: one at a time
                 log(f"warning: --parallel {parallel} ignored: {exc}")
         try:
             self._prepare(session, log)
