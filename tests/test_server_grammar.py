@@ -61,6 +61,31 @@ def test_auto_drafts_the_tokens_the_schema_forces_and_the_answer_is_the_same(ope
     assert "grammar" not in free.model_extra["localspec"]["sources"]  # no schema: nothing is forced
 
 
+def test_a_batch_slot_drafts_forced_tokens_only_where_a_verify_row_is_cheap(session):
+    """In a batch slot the grammar's forced tokens are drafted where a second verify row costs next to nothing (a
+    GPU's curve), not on a compute-bound CPU's curve, where the other slots' rows already fill the machine."""
+    from localspec.core.batch import BatchEngine
+    from localspec.core.engine import GenConfig
+    from localspec.server.grammar import constraint_for
+
+    e = session.engine
+    prompt = e.raw_prompt("Pick a colour as JSON.")
+    b = BatchEngine(e, 2)
+    try:
+        drafted = {}
+        for name, curve in (("cpu", {1: 1.0, 2: 1.75, 3: 2.25, 4: 2.85, 5: 3.45}),
+                            ("gpu", {n: 1.0 + 0.02 * (n - 1) for n in range(1, 10)})):
+            b._curve = curve
+            b._ratios.clear()
+            cfg = GenConfig(method="auto", k=3, max_tokens=40, constraint=constraint_for(FORMAT, e.target))
+            fin = b.generate_all([(prompt, cfg)])[0]
+            check(json.loads(fin.text))
+            drafted[name] = fin.stats.drafted_by["grammar"]
+        assert drafted["cpu"] == 0 and drafted["gpu"] >= 3, drafted
+    finally:
+        b.close()
+
+
 def test_the_grammar_says_which_tokens_it_forces(session):
     """Grammar.forced: the tokens of a declared key's text, up to a limit, and none where the model has a choice."""
     from localspec.server.grammar import constraint_for

@@ -275,7 +275,7 @@ class BatchEngine(PassShapes):
             for kind in self.engine.heads:  # the draft heads: a method's own, or every one for auto
                 if method in ("auto", kind) and not self.heads.reason(kind):
                     drafters[kind] = self.heads.drafter(seq, kind, cfg.p_min, prompt, common)
-            if method == "auto" and hasattr(cfg.constraint, "forced"):
+            if method == "auto" and hasattr(cfg.constraint, "forced") and self.rows_cheap():
                 drafters["grammar"] = GrammarDrafter(cfg.constraint)  # the tokens structured output forces
             if method == "auto":
                 drafters = chained(drafters)

@@ -11,6 +11,7 @@ from localspec.core.batch_cost import batch_ratios, pass_cost
 from localspec.drafters import Proposal
 
 MAX_ROWS = 65  # a verify's rows at most (k <= 64)
+ROW_CHEAP = 1.25  # T(2)/T(1) at most this: a verify row costs next to nothing (rows_cheap)
 
 
 class PassShapes:
@@ -112,6 +113,15 @@ class PassShapes:
         if self._curve is None:
             self._curve = self.engine.verify_costs(2) or {}
         return self._curve
+
+    def rows_cheap(self) -> bool:
+        """Whether a second verify row costs at most ROW_CHEAP steps beside the first, on the target's calibrated curve
+        (a GPU). Certain drafts (the grammar's forced tokens) are drafted in a slot only there: on a compute-bound CPU
+        the other slots' rows already fill the machine, so a drafted row costs about what the token it saves does,
+        and drafting even certain tokens was measured a loss (docs/benchmarks.md, "Grammar-constrained
+        speculation")."""
+        curve = self._calibrated()
+        return bool(curve) and curve.get(2, ROW_CHEAP + 1.0) <= ROW_CHEAP
 
     def _padding_pays(self, rows: list[tuple[int, int]], r: int) -> bool:
         """Whether one padded pass (every slot at r rows) costs less than the passes llama.cpp splits the step into,
