@@ -254,8 +254,10 @@ def test_padding_only_where_the_verify_curve_says_one_padded_pass_is_cheaper(eng
         seen.clear()
         prompts = [repeating_prompt(engine, 0), engine.raw_prompt(PROMPTS[1]), repeating_prompt(engine, 2),
                    engine.raw_prompt(PROMPTS[3])]
-        cfgs = [cfg_for("lookup", k=4, exactness="bit"), cfg_for("none"), cfg_for("lookup", k=3, exactness="bit"),
-                cfg_for("none", exactness="bit")]
+        # lossless: a `bit` request is padded only where the probe found the padded shape bit-identical, which
+        # depends on this CPU's kernels; the cost rule is what is under test here
+        cfgs = [cfg_for("lookup", k=4, exactness="lossless"), cfg_for("none", exactness="lossless"),
+                cfg_for("lookup", k=3, exactness="lossless"), cfg_for("none", exactness="lossless")]
         b.generate_all(list(zip(prompts, cfgs)))
         assert any(len(set(r)) > 1 for _, r in seen if len(r) == 4)
         b._curve = gpu

@@ -822,11 +822,17 @@ class TakeTurns:
 
     def __init__(self, drafters, told):
         self.drafters, self.turn = drafters, 0
+        inside = []  # a chained drafter tells its model part in turn: only the generation's own call counts
         for d in drafters.values():
             def accept(n_drafted, n_accepted, d=d):  # the drafters live on with the engine: wrapped once
-                drafted, accepted = told.get(d.name, (0, 0))
-                told[d.name] = (drafted + n_drafted, accepted + n_accepted)
-                return type(d).accept(d, n_drafted, n_accepted)
+                if not inside:
+                    drafted, accepted = told.get(d.name, (0, 0))
+                    told[d.name] = (drafted + n_drafted, accepted + n_accepted)
+                inside.append(d)
+                try:
+                    return type(d).accept(d, n_drafted, n_accepted)
+                finally:
+                    inside.pop()
 
             d.accept = accept
 
@@ -853,7 +859,7 @@ class TakeTurns:
 
 
 def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, near_path, monkeypatch):
-    """Over answers drafted in turn by prompt lookup, the suffix cache and a draft model of another vocabulary, the
+    """Over answers drafted in turn by prompt lookup, the suffix cache, a draft model of another vocabulary and that draft chained with the suffix cache, the
     panel's drafted and accepted tokens per source equal what the generation told each drafter of its proposals."""
     from localspec.core.engine import Engine
 
@@ -882,7 +888,7 @@ def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, 
                 assert sum(d for d, _ in told.values()) == st.drafted
                 assert sum(a for _, a in told.values()) == st.accepted
                 seen |= set(told)
-            assert seen == {"draft", "lookup", "suffix"}
+            assert seen == {"draft", "draft+suffix", "lookup", "suffix"}
             figures = lines_of(app.query_one("#figures"))
             assert f"drafting         {'through text' if st.main_method == 'draft' else 'model-free'}" in figures
 

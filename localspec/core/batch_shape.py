@@ -68,8 +68,8 @@ class PassShapes:
         of consecutive sequences with EQUAL rows each (multiseq.split_equal), so generating slots with different
         draft lengths (rows [1, 4, 1, 3]) cost several passes, each reading the weights again. Pad every generating
         slot to the step's most rows with filler rows (their logits are not used; they are rolled back with the
-        rejected drafts), where the cache has room and, for a request still at bit, the padded pass shape is
-        bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
+        rejected drafts), where the cache has room and, for a request that asked for bit and is still at it, the
+        padded pass shape is bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
         if self.pad is False or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
             return
         r = max(len(p[1]) for p in parts)
@@ -80,7 +80,9 @@ class PassShapes:
                 return
         if self.pad is None and not self._padding_pays([(p[0], len(p[1])) for p in parts], r):
             return
-        bit = {run.seq for run in owners if run.level == "bit"}
+        # only a request that asked for bit is kept from a padded shape the probe found not bit-identical: one
+        # decoding plainly under auto or lossless reports bit but was never promised it, and padding pays for all
+        bit = {run.seq for run in owners if run.level == "bit" and run.cfg.exactness == "bit"}
         for ub in self.ms.passes([(p[0], r) for p in parts]):
             if bit & {seq for seq, _, _ in ub} and not self.shape_exact(len(ub), r):
                 return
