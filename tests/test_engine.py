@@ -425,3 +425,39 @@ def test_every_drafting_step_counts_its_tokens_to_the_source_that_drafted_them(e
         assert figures(st)["sources"] == {method: {"steps": st.drafting_steps, "drafted": st.drafted,
                                                    "accepted": st.accepted,
                                                    "acceptance": round(st.accepted / st.drafted, 4)}}
+
+
+def test_a_single_request_is_stepped_by_the_batch_scheduler_as_a_batch_of_one(engine, plain, monkeypatch):
+    """run, chat and bench decode through BatchEngine.step (one loop for one request and for many): every target
+    pass of a generation is one of the scheduler's steps, and its answer is plain decoding's."""
+    from localspec.core.batch import BatchEngine
+    from localspec.core.solo import SoloEngine
+
+    steps: list = []
+    step = BatchEngine.step
+
+    def counted(self):
+        steps.append(type(self))
+        return step(self)
+
+    monkeypatch.setattr(BatchEngine, "step", counted)
+    p = PROMPTS[0]
+    r = engine.complete(engine.raw_prompt(p), GenConfig(method="lookup", k=4, max_tokens=N_EXACT, exactness="bit"))
+    assert r.tokens == plain[p]
+    assert set(steps) == {SoloEngine}
+    # the steps that decoded: one per target pass; the last step found the answer's end and decoded nothing
+    assert len(steps) - 1 == r.stats.target_passes > 0
+
+
+def test_a_generation_left_mid_way_has_final_stats_and_the_next_one_starts(engine, plain):
+    """A caller that stops reading (Ctrl-C, a closed stream) leaves the stats settled and the target free: the
+    next generation on the same engine runs and equals plain decoding."""
+    p = PROMPTS[1]
+    it = engine.generate(engine.raw_prompt(p), GenConfig(method="lookup", k=4, max_tokens=N_EXACT))
+    got = [next(it) for _ in range(3)]
+    assert all(isinstance(ev, Piece) for ev in got)
+    it.close()
+    st = engine.last_stats
+    assert not st.running and st.elapsed_s > 0
+    r = engine.complete(engine.raw_prompt(p), GenConfig(method="none", max_tokens=N_EXACT))
+    assert r.tokens == plain[p]

@@ -859,8 +859,9 @@ class TakeTurns:
 
 
 def test_each_sources_figures_are_what_its_drafter_was_told_it_got(target_path, near_path, monkeypatch):
-    """Over answers drafted in turn by prompt lookup, the suffix cache, a draft model of another vocabulary and that draft chained with the suffix cache, the
-    panel's drafted and accepted tokens per source equal what the generation told each drafter of its proposals."""
+    """Over answers drafted in turn by prompt lookup, the suffix cache, a draft model of another vocabulary and that
+    draft chained with the suffix cache, the panel's drafted and accepted tokens per source equal what the
+    generation told each drafter of its proposals."""
     from localspec.core.engine import Engine
 
     told: dict = {}

@@ -2,14 +2,15 @@
 
 N slots, one llama.cpp sequence each (llama/multiseq.py). A step gathers every active slot's rows into ONE
 llama_decode: a generating slot's pending token and drafts, a joining slot's prompt chunk (at most `prefill_chunk`
-tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as on the
-single-sequence Engine, so grammars, logprobs and logit_bias batch like any request. A draft head (EAGLE-3, DFlash,
-DSpark, MTP) drafts in its slot from that slot's rows of each batched decode (core/batch_heads.py); a draft
-model of another vocabulary drafts per slot on its own sequence (core/batch_xvocab.py).
-Invariant per slot, as in core/engine.py: the slot's sequence holds every context token but the pending one.
+tokens, fewer beside generating slots on a slow machine). Each request is a core/generation.py Generation, as in a
+batch of one (core/solo.py: the same step over the target's own context, what `run` and `chat` use), so grammars,
+logprobs and logit_bias batch like any request. A draft head (EAGLE-3, DFlash, DSpark, MTP) drafts in its slot from
+that slot's rows of each batched decode (core/batch_heads.py); a draft model of another vocabulary drafts per slot
+on its own sequence (core/batch_xvocab.py).
+Invariant per slot, as in a batch of one: the slot's sequence holds every context token but the pending one.
 A recurrent/hybrid target (or draft model) rolls each slot back on its own (llama/multiseq.py: a plane, or the
 slot's checkpoint and a replay); the replays of a step are decoded together after its verify, and each request's
-stats count its slot's restores and replayed tokens, as the single path's do.
+stats count its slot's restores and replayed tokens, as a batch of one's do.
 
 Rules, and why (docs/design.md, "Batching", has the measurements behind them):
 - a slot's controller is timed by its share of the step and prices a verify of b rows by what it adds to the
@@ -32,11 +33,11 @@ from localspec import defaults as D
 from localspec.core.batch_draft import BatchDraft, batch_draft_reason
 from localspec.core.batch_xvocab import CrossVocabSlots
 from localspec.core.batch_heads import BatchHeads
-from localspec.core.engine import Engine, Finished, GenConfig
+from localspec.core.config import GenConfig
 from localspec.core import exactness as X
 from localspec.core.batch_shape import PassShapes
 from localspec.core.exactness import ProbeResult
-from localspec.core.generation import Generation, check_bias, check_prompt, new_stats
+from localspec.core.generation import Finished, Generation, check_bias, check_prompt, new_stats
 from localspec.core.policy import build_policy
 from localspec.core.response import Response
 from localspec.drafters import PromptLookupDrafter, chained
@@ -62,9 +63,9 @@ class _Run(Generation):
 
 
 class BatchEngine(PassShapes):
-    """N slots over `engine`'s target. Not thread-safe: one thread calls add() and step()."""
+    """N slots over `engine`'s target (a core.engine.Engine). Not thread-safe: one thread calls add() and step()."""
 
-    def __init__(self, engine: Engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
+    def __init__(self, engine, n_slots: int, *, prefill_chunk: int = PREFILL_CHUNK,
                  unified: bool | None = None, pad: bool | None = None, layout: str = "split",
                  speculative: bool = True) -> None:
         """layout: "split" (one KV stream per slot), "unified" (one KV cache for all slots) or "auto" (split until
@@ -253,7 +254,7 @@ class BatchEngine(PassShapes):
             raise UsageError("no free slot")
         k, level, why = self.exactness_for(cfg)  # may probe (clears caches): before the prefix is chosen
         seq = self._choose_slot(prompt, free)
-        roll0 = self._rollback_counters(seq)  # the prefix's restore is this request's, as on the single path
+        roll0 = self._rollback_counters(seq)  # the prefix's restore is this request's, as in a batch of one
         common = self.ms.take_prefix(seq, prompt)  # its own cache's, or another slot's
         if common == len(prompt):  # the last prompt token is decoded again for its logits
             common = self.ms.reachable(seq, common - 1)  # a recurrent state: where it rolls back without a replay
@@ -437,7 +438,7 @@ class BatchEngine(PassShapes):
         # past the drafts' rows: padding (_pad), rolled back with the rejected rows
         def cut(n: int) -> float:
             """Roll back; what the replay it leaves (a recurrent state's restore) will cost, at this decode's time
-            per row: the step's flush decodes it, and the slot's controller counts it, as the single path does."""
+            per row: the step's flush decodes it, and the slot's controller counts it, as a batch of one does."""
             self.ms.truncate(run.seq, n)
             return per_row * self.ms.pending(run.seq)
 

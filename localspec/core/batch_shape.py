@@ -69,7 +69,8 @@ class PassShapes:
         draft lengths (rows [1, 4, 1, 3]) cost several passes, each reading the weights again. Pad every generating
         slot to the step's most rows with filler rows (their logits are not used; they are rolled back with the
         rejected drafts), where the cache has room and, for a request that asked for bit and is still at it, the
-        padded pass shape is bit-identical here. Not while a prompt chunk is in the step (its rows split the passes anyway)."""
+        padded pass shape is bit-identical here. Not while a prompt chunk is in the step (its rows split the passes
+        anyway)."""
         if self.pad is False or len(parts) < 2 or self.ms.unified or any(run.step is None for run in owners):
             return
         r = max(len(p[1]) for p in parts)

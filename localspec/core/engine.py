@@ -1,4 +1,5 @@
-"""The decoder: plain, draft-model and prompt-lookup speculative decoding over one target model.
+"""The model pair and what outlives a request on it: drafters, heads, the controller's memory, the exactness probe.
+A request decodes through the scheduler's step as a batch of one over the target's own context (core/solo.py).
 
 Invariant between steps: the target's KV cache holds every context token but the last one (the
 "pending" token the target chose and we already emitted). A step decodes [pending, d1..dk] in ONE
@@ -8,18 +9,15 @@ batch with logits at every row, verifies the drafts, and removes the rejected ro
 from __future__ import annotations
 
 import threading
-import time
-from collections import deque
 from pathlib import Path
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
-from localspec import defaults as D
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
-from localspec.core.generation import Finished, Generation, Piece, check_bias, check_prompt, new_stats
+from localspec.core.config import GenConfig  # noqa: F401 - part of the engine API
+from localspec.core.generation import Finished, Piece  # noqa: F401 - part of the engine API
+from localspec.core.solo import SoloEngine
 from localspec.core.policy import Policy, build_policy, env_allows_inexact
 from localspec.core.response import Response
-from localspec.sample.sampling import SamplingParams
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, chained
@@ -29,53 +27,8 @@ from localspec.knobs import knobs
 from localspec.models.pair import check_pair
 
 
-@dataclass
-class GenConfig:
-    """One generation's settings, as values (the front ends resolve flags, files and requests into these)."""
-
-    method: str = D.METHOD
-    k: int = D.DRAFT_TOKENS  # draft tokens per step (the most the controller may use in auto)
-    max_tokens: int = D.MAX_TOKENS
-    stop: Sequence[str] = ()
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    p_min: float = D.P_MIN
-    lookup_min: int = D.LOOKUP_MIN
-    lookup_max: int = D.LOOKUP_MAX
-    adaptive: bool | None = None  # None: adaptive in auto, fixed k otherwise
-    # bit: k capped so verify batches are bit-identical to one-token decoding (output == plain decoding);
-    # lossless: no cap, every token is the target's choice in the pass that emitted it (float order may flip
-    # near-ties); auto: bit when the cap leaves >= 2 draft tokens, else lossless
-    exactness: str = D.EXACTNESS_LEVEL
-    # a grammar the output must follow (structured output): an object with allowed() -> bool array over the
-    # vocabulary at its current state, consume(tokens) -> bool and rollback(n); None: free text
-    constraint: Any = None
-    # logprobs: None computes none (no cost); n: each Piece carries its token's logprob and the n likeliest
-    # alternatives, from the target row that emitted it (log-softmax of the raw row after bias and grammar)
-    logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None  # token -> added to the target's logits in every row; <= -100 bans
-
-    def __post_init__(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise SettingError(f"logprobs must be between 0 and 20, got {self.logprobs}", "logprobs")
-        if self.method not in METHODS:
-            raise SettingError(f"unknown method {self.method!r}; choose one of {', '.join(METHODS)}", "method")
-        if self.exactness not in EXACTNESS:
-            raise SettingError(f"unknown exactness {self.exactness!r}; choose one of {', '.join(EXACTNESS)}",
-                               "exactness")
-        if not isinstance(self.k, int) or self.k < 0 or self.k > MAX_K:
-            raise SettingError(f"draft tokens ({{draft_tokens}}) must be between 0 and {MAX_K}, got {self.k}",
-                               "draft_tokens")
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise SettingError(f"max tokens ({{max_tokens}}) must be >= 1, got {self.max_tokens}", "max_tokens")
-        if not (0.0 <= self.p_min <= 1.0):
-            raise SettingError(f"{{p_min}} must be in [0, 1], got {self.p_min}", "p_min")
-        if self.lookup_min < 1 or self.lookup_max < self.lookup_min:
-            raise SettingError(f"need 1 <= {{lookup_min}} <= {{lookup_max}}, got {self.lookup_min} and "
-                               f"{self.lookup_max}", ("lookup_min", "lookup_max"))
-
-
 class Engine:
-    """target (and draft) models plus the decoding loop.
+    """target (and draft) models, their drafters and their exactness; generate() runs a request as a batch of one.
 
     chat_template: a Jinja chat template that replaces the target's own (None: the one in the GGUF).
     template_warning: set when the target has no chat template and none was given (prompts then use a plain
@@ -417,72 +370,10 @@ class Engine:
         cancel: threading.Event | None = None,
     ) -> Iterator[Piece | Finished]:
         """Stream Pieces, then one Finished. Output equals plain decoding of the target (token for token
-        at temperature 0; in distribution above 0). The request alone on the target's own context: each step
-        decodes its pending token and drafts in one batch (core/generation.py does the rest)."""
-        cfg = cfg or GenConfig()
-        target = self.target
-        prompt = check_prompt(prompt_tokens, target.n_ctx, cfg.max_tokens)
-        bias = check_bias(cfg, target.n_vocab)  # nothing left to say: the request's error, before any work
-        from localspec.core.exactness import ProbeCancelled
-
-        try:
-            exact = self.exactness_for(cfg, cancel)
-        except ProbeCancelled:  # the caller gave up while the exactness probe ran: plain, then "cancelled"
-            exact = (0, "bit", "bit: the exactness probe was cancelled")
-        _, level, why = exact
-        policy, method, k_cap = self.make_policy(cfg, exact)
-        self._hooked = list(policy.drafters.values())
-        stats = self.last_stats = new_stats(cfg, method, k_cap, level, why)
-        stats.rpc_workers = list(getattr(target, "rpc_servers", None) or [])
-        stats.reason = stats.reason or self.rollback_notice(cfg)
-        stats.rollback = getattr(target, "rollback_kind", "kv")
-        roll0 = _rollback_counters(target)
-        draft0 = _rollback_counters(self.draft)
-        if self.draft is not None and "draft" in policy.drafters:
-            stats.draft_rollback = getattr(self.draft, "rollback_kind", "kv")
-        stats.prompt_tokens = len(prompt)
-        events: deque = deque()
-        t0 = stats.started = time.perf_counter()
-        gen = Generation(target, prompt, cfg, policy, stats, bias=bias, sink=events.append, cancel=cancel, t0=t0)
-        self._assembler = gen.text
-        stats.running = True
-
-        def truncate(n: int) -> None:
-            replay = target.truncate(n)  # recurrent/hybrid: may decode accepted tokens again
-            if replay:
-                self._after_decode(replay, target.last_replay[1])
-
-        try:
-            logits = target.sync(prompt)
-            stats.cached_prompt_tokens = target.reused
-            for d in self._hooked:
-                d.begin(prompt)
-            self._after_decode(*getattr(target, "last_replay", ((), 0)))
-            self._after_decode(prompt[target.reused:], target.reused)
-            stats.prompt_s = time.perf_counter() - t0
-            gen.guarded(gen.start, logits)
-            while events:
-                yield events.popleft()
-            while gen.error is None:
-                plan = gen.plan(room=target.n_ctx - len(target.tokens) - 1)  # room: what the cache takes after pending
-                if plan is None:
-                    break
-                batch = gen.propose(*plan)
-                tv = time.perf_counter()
-                base = gen.step.base = len(target.tokens)
-                rows = target.decode(batch, "all", copy=False)  # used before the next decode
-                self._after_decode(batch, base)
-                gen.guarded(gen.verified, rows, truncate, t_start=tv)
-                while events:
-                    yield events.popleft()
-            if gen.error is not None:  # the request's own error, after the tokens emitted before it
-                raise gen.error
-        finally:
-            gen.settle()
-            stats.add_rollback(roll0, _rollback_counters(target), draft0, _rollback_counters(self.draft))
-        gen.close()
-        while events:
-            yield events.popleft()
+        at temperature 0; in distribution above 0). The request alone on the target's own context, stepped by the
+        batch scheduler as a batch of one (core/solo.py): each step decodes its pending token and drafts in one
+        batch (core/generation.py does the rest)."""
+        return SoloEngine(self).events(prompt_tokens, cfg, cancel)
 
     @property
     def last_text(self) -> str:
@@ -502,9 +393,3 @@ class Engine:
 
 def _can_rollback(model) -> bool:
     return getattr(model, "rollback_kind", "kv") != "none"
-
-
-def _rollback_counters(model) -> dict | None:
-    counters = getattr(model, "rollback_counters", None)
-    return counters() if counters is not None else None
-
