@@ -170,7 +170,7 @@ def mixed(engine):
     """Four requests as agents send them: a JSON schema, a forced tool call, logprobs, and a plain one with a bias.
     Each call gives new configs (a grammar is consumed by the run that uses it)."""
     from localspec.server.grammar import constraint_for
-    from localspec.server.tools import choice_grammar
+    from localspec.server.tool_grammar import choice_grammar
 
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string", "maxLength": 10}}, "required": ["city"]}}}]

@@ -349,10 +349,11 @@ def test_json_schema_without_additional_properties_gives_only_the_declared_keys(
 
 def test_tool_parameters_are_closed_at_every_level():
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"pet": {"type": "object", "properties": {"kind": {"type": "string"}}}},
         "required": ["pet"]}}}
-    g = T.choice_grammar([tool], "required", None)
+    g = TG.choice_grammar([tool], "required", None)
     assert accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat"}}}')
     assert not accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat", "legs": 4}}}')

@@ -93,13 +93,14 @@ def test_each_template_format_is_decoded_and_read_back(target_path, template, fm
     """The grammar for each format, run on the tiny model: what it writes is read back as the call by parse()."""
     from localspec.core.engine import Engine, GenConfig
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
-    assert T.call_format(template) == fmt
+    assert TG.call_format(template) == fmt
     eng = Engine.load(target_path, n_ctx=512)
     try:
         for choice in (NAMED, "required"):
-            g = T.choice_grammar([WEATHER, CLOCK], choice, template, parallel=fmt == "hermes")
+            g = TG.choice_grammar([WEATHER, CLOCK], choice, template, parallel=fmt == "hermes")
             fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=150,
                                                                     constraint=Grammar(g, eng.target)))
             assert fin.finish_reason == "stop", fin.text
@@ -121,16 +122,17 @@ def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to
     a rollback past the marker frees it again (speculation's look-ahead)."""
     from localspec.llama.model import Model
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
-    g, trigger = T.auto_grammar([WEATHER], "auto", "<tool_call>")
-    assert re.match(trigger, "<tool_call>") and T.auto_grammar([WEATHER], "none", "<tool_call>") is None
+    g, trigger = TG.auto_grammar([WEATHER], "auto", "<tool_call>")
+    assert re.match(trigger, "<tool_call>") and TG.auto_grammar([WEATHER], "none", "<tool_call>") is None
     # a call written as JSON, fenced or bare, triggers it too, once it names one of the tools; with no marker in
     # the template, only that
     for text in ('```json\n{\n  "name": "get_weather"', 'ok {"name": "get_weather"', '{{"name": "get_weather"'):
         assert re.search(trigger, text), text
     assert not re.search(trigger, '{"name": "get_time"') and not re.search(trigger, "use get_weather")
-    assert not re.search(T.auto_grammar([WEATHER], "auto", None)[1], "<tool_call>")
+    assert not re.search(TG.auto_grammar([WEATHER], "auto", None)[1], "<tool_call>")
     with Model(target_path, n_ctx=256) as m:
         lazy = Lazy(g, m, trigger)
         full = m.tokenize("the cat\n<tool_call>\n", add_special=False, parse_special=False)
@@ -159,9 +161,10 @@ def test_auto_holds_a_call_written_as_json_once_it_names_a_tool(target_path, tex
     one of the tools: from there only the call's JSON may follow; a rollback before the name frees it again."""
     from localspec.llama.model import Model
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
-    g, trigger = T.auto_grammar([WEATHER, CLOCK], "auto", None)
+    g, trigger = TG.auto_grammar([WEATHER, CLOCK], "auto", None)
     with Model(target_path, n_ctx=256) as m:
         lazy = Lazy(g, m, trigger)
         toks = m.tokenize(text, add_special=False, parse_special=False)
@@ -185,9 +188,10 @@ def test_auto_holds_a_call_written_as_json_once_it_names_a_tool(target_path, tex
 def test_auto_does_not_start_on_a_name_no_tool_has(target_path):
     from localspec.llama.model import Model
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
-    g, trigger = T.auto_grammar([WEATHER, CLOCK], "auto", None)
+    g, trigger = TG.auto_grammar([WEATHER, CLOCK], "auto", None)
     with Model(target_path, n_ctx=256) as m:
         lazy = Lazy(g, m, trigger)
         for text in ('```json\n{"name": "get_weather_now", "x": 1}', ' use get_weather or "get_time"'):
@@ -259,6 +263,7 @@ def test_defs_resolve_in_each_format_and_for_each_tool(target_path, template, fm
     Each tool is forced in turn, so both tools' own definitions are decoded."""
     from localspec.core.engine import Engine, GenConfig
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
     eng = Engine.load(target_path, n_ctx=512)
@@ -266,7 +271,7 @@ def test_defs_resolve_in_each_format_and_for_each_tool(target_path, template, fm
         for key in ("$defs", "definitions"):
             tools = defs_tools(key)
             for choice in ["required"] + [{"type": "function", "function": {"name": n}} for n in UNITS]:
-                g = T.choice_grammar(tools, choice, template, parallel=False)
+                g = TG.choice_grammar(tools, choice, template, parallel=False)
                 fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=200,
                                                                         constraint=Grammar(g, eng.target)))
                 assert fin.finish_reason == "stop", fin.text
@@ -284,10 +289,11 @@ def test_auto_holds_a_call_to_parameters_with_defs(target_path):
     marker is decoded under them."""
     from localspec.core.engine import Engine, GenConfig
     from localspec.server import tools as T
+    from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
     for key in ("$defs", "definitions"):
-        got = T.auto_grammar(defs_tools(key), "auto", "<tool_call>", parallel=False)
+        got = TG.auto_grammar(defs_tools(key), "auto", "<tool_call>", parallel=False)
         assert got is not None
         g, trigger = got
         assert trigger.startswith("<tool_call>|")

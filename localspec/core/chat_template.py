@@ -5,7 +5,7 @@ non-ASCII, `raise_exception`, `strftime_now`, `{% generation %}`), so a template
 
 A rendered prompt comes back as segments: template markup and message content. Only markup may hold special
 tokens; content is tokenized as plain text, so `<|im_end|>` typed or piped by a user stays text and cannot
-close the user's turn (see backend.Model.tokenize_segments).
+close the user's turn (see llama/tokens.py Tokens.tokenize_segments).
 """
 
 from __future__ import annotations

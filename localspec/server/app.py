@@ -30,6 +30,7 @@ from localspec.core.generation import check_prompt
 from localspec.errors import ContextOverflowError, LocalspecError, UsageError
 from localspec.server import openai as O
 from localspec.server import responses as R
+from localspec.server import tool_grammar as TG
 from localspec.server import tools as T
 from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
 from localspec.server.guard import LOCAL_ORIGIN, Gate, Guard, HostCheck, is_local_keyword
@@ -54,7 +55,8 @@ def chat_tokens(eng, msgs: list[dict], tools: list[dict] | None) -> list[int]:
 
 
 def template_text(eng) -> str | None:
-    """The chat template's source (the one given to the engine, else the target's): tools.call_format reads it."""
+    """The chat template's source (the one given to the engine, else the target's): tool_grammar.call_format reads
+    it."""
     return getattr(eng, "_template_source", None) or eng.target.chat_template()
 
 
@@ -450,10 +452,10 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         tools put none (response_format's own applies). `taught`: the model was told the Hermes format
         (T.for_template)."""
         fmt = "hermes" if taught else None
-        forced = T.choice_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt)
+        forced = TG.choice_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt)
         if forced is not None:
             return Grammar(forced, engine.target)
-        auto = T.auto_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt, output=output)
+        auto = TG.auto_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt, output=output)
         if auto is None:
             return None
         return Grammar(auto[0], engine.target) if auto[1] is None else Lazy(auto[0], engine.target, auto[1])
