@@ -384,7 +384,7 @@ def test_serve_takes_the_server_settings_as_keywords():
     """The CLI calls serve(session, host=, port=, api_key=, queue_size=); the other server settings are optional
     keywords, checked before anything is bound or loaded."""
     from localspec.errors import UsageError
-    from localspec.server.app import serve
+    from localspec.server.main import serve
 
     with pytest.raises(UsageError, match="max k"):
         serve(object(), port=0, max_k=0)
@@ -513,7 +513,7 @@ def test_a_stop_signal_right_after_the_ready_line_stops_the_server(target_path):
     """A SIGINT sent as soon as the ready line is printed, before uvicorn has installed its own handlers, stops the
     server the way uvicorn's handler does: not a KeyboardInterrupt raised wherever the main thread is (inside
     importlib's lock callback it would be swallowed, "Exception ignored in ...", and the server would run on)."""
-    from localspec.server.app import serve
+    from localspec.server.main import serve
     from localspec.session import Session
 
     sess = Session({"model": str(target_path), "method": "none"}, quiet=True)

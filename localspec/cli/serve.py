@@ -48,7 +48,7 @@ def serve(
     parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch (1-64), each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
-    from localspec.server.app import serve as run_server
+    from localspec.server.main import serve as run_server
     from localspec.server.config import ServerConfig
     from localspec.session import Session
 

@@ -1,12 +1,14 @@
 """`localspec serve`: an OpenAI-compatible HTTP API over one loaded pair, with each response's speculation stats.
 
 It sits on the session layer (settings, model resolution, loading, the machine-wide generation slot) and the engine.
-Generations run one at a time on a worker thread (server/queue.py). A request that extends an earlier conversation
-reuses the target's cached prefix (Model.sync keeps the common prefix). Who may call it: server/guard.py.
+Generations run on a worker thread (server/queue.py), side by side in batch slots with --parallel N. A request that
+extends an earlier conversation reuses the target's cached prefix. Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-POST /v1/responses (server/responses.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback,
-and name the request's JSON fields.
+POST /v1/responses (server/responses.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus;
+server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are
+OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback, and name the request's JSON
+fields. Starting and stopping the server: server/main.py.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -32,13 +34,12 @@ from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tool_grammar as TG
 from localspec.server import tools as T
-from localspec.server.config import ALIASES, DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
+from localspec.server.config import ALIASES, ServerConfig
 from localspec.server.guard import LOCAL_ORIGIN, Gate, Guard, HostCheck, is_local_keyword
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
 from localspec.server.grammar import Grammar, Lazy, constraint_for, schema_of
 from localspec.server.metrics import Metrics
 from localspec.server.queue import ClientGone, Job, Worker, next_event
-from localspec.server.run import Server, bind, exposure_warning  # noqa: F401  (re-exported)
 from localspec.server.schemas import ChatRequest, Common, CompletionRequest, chat_messages, completion_prompt, \
     logit_bias_of, logprobs_of, parse_body, stops
 from localspec.store.suffixcache import scope_of
@@ -528,82 +529,3 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
                 "slots": worker.parallel, "active_slots": worker.active, "kv_layout": worker.kv_layout}
 
     return app
-
-
-def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | None = None,
-          queue_size: int = DEFAULT_QUEUE, max_body: int = DEFAULT_MAX_BODY,
-          log: Callable[[str], None] = S.stderr_note, allowed_hosts: Sequence[str] | str | None = None,
-          cors_origins: Sequence[str] | str = (), max_k: int | None = None, strict_model: bool = False,
-          no_metrics: bool = False, config: ServerConfig | None = None) -> None:
-    """`localspec serve`: bind, load the pair once, announce the URL, serve until Ctrl-C. The keyword arguments are
-    ServerConfig's fields (see server/config.py); `config` gives the rest, overridden by them."""
-    import uvicorn
-
-    if Server is None:  # pragma: no cover
-        raise LocalspecError("uvicorn is not installed: pip install uvicorn")
-    changes: dict[str, Any] = dict(host=host, port=port, api_key=api_key, queue_size=queue_size, max_body=max_body)
-    for key, value, unset in (("allowed_hosts", allowed_hosts, None), ("cors_origins", cors_origins, ()),
-                              ("max_k", max_k, None), ("strict_model", strict_model, False),
-                              ("no_metrics", no_metrics, False)):
-        if value != unset:
-            changes[key] = value
-    cfg = (config or ServerConfig()).replace(**changes).check()
-    S.parallel_slots()  # a bad LOCALSPEC_PARALLEL is a usage error now, not a 400 on every request
-    session.check()
-    sock = bind(cfg.host, cfg.port)
-    stopped, app = False, None
-    try:
-        session.announce = session.announce or log
-        session.load()
-        for note in session.notices():
-            log(f"warning: {note}")
-        session.prepare()  # the one-time exactness probe, before the first request
-        app = create_app(session, cfg, log=log)
-        config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=3,
-                                lifespan="on")
-        server = Server(config, on_exit=app.state.begin_shutdown)
-        real_port = sock.getsockname()[1]
-        shown = f"[{host}]" if ":" in host else host
-        warning = exposure_warning(host, real_port, cfg.api_key)
-        if warning:
-            log(warning)
-        sock.listen(2048)  # from here on connections wait in the backlog until uvicorn accepts them
-        # from the ready line on, a stop signal stops the server as uvicorn's own handler does (it installs that one
-        # only once its loop runs; before, the run-time handler's KeyboardInterrupt could land anywhere, and inside
-        # importlib's lock callback it was swallowed and the server ran on)
-        previous = _stop_signals_exit(server)
-        try:
-            log(f"localspec serve: http://{shown}:{real_port}/v1 (model {app.state.model})")
-            server.run(sockets=[sock])
-        finally:
-            _restore_signals(previous)
-        stopped = app.state.worker.stop(timeout=60)
-        log("localspec serve: stopped" if stopped else "localspec serve: a generation did not stop in time")
-    finally:
-        sock.close()
-        if app is None or stopped:
-            session.close()  # never under a generation that is still running
-
-
-def _stop_signals_exit(server) -> dict:
-    """SIGINT/SIGTERM/SIGHUP -> server.handle_exit until uvicorn's handlers take over; returns the handlers replaced
-    (none off the main thread: embedded use keeps its own)."""
-    import signal
-
-    previous = {}
-    for name in ("SIGINT", "SIGTERM", "SIGHUP"):
-        sig = getattr(signal, name, None)
-        if sig is None:
-            continue
-        try:
-            previous[sig] = signal.signal(sig, server.handle_exit)
-        except (ValueError, OSError):  # not the main thread
-            break
-    return previous
-
-
-def _restore_signals(previous: dict) -> None:
-    import signal
-
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)
