@@ -441,3 +441,19 @@ def no_controls(text: str) -> None:
 
     bad = sorted({hex(ord(c)) for c in text if unicodedata.category(c) == "Cc" and c not in "\n"})
     assert not bad, (bad, text)
+
+
+@contextlib.contextmanager
+def recording_decodes(ms, what=lambda parts: {p[0] for p in parts}):
+    """`what(parts)` of every decode of `ms` (a MultiSeq) while the block runs: by default its sequences."""
+    decode, seen = ms.decode, []
+
+    def recording(parts, *args, **kw):
+        seen.append(what(parts))
+        return decode(parts, *args, **kw)
+
+    ms.decode = recording
+    try:
+        yield seen
+    finally:
+        ms.decode = decode

@@ -5,7 +5,6 @@ unchanged. The slot's head reads that slot's rows of each batched decode (llama/
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 from tinyheads import (PROMPTS, write_bigram_target, write_dflash, write_dspark, write_eagle3, write_glm4moe_mtp)
+from helpers import recording_decodes
 from tinymodels import write_model
 
 N = 40
@@ -78,22 +78,12 @@ def fresh_alone(files, kind, prompt, cfg):
         e.close()
 
 
-@contextlib.contextmanager
 def decodes(batch):
     """Per batched decode while the block runs: the slots whose verify rows (not a prompt chunk) it held."""
-    ms, seen = batch.ms, []
-    decode = ms.decode
+    def generating(parts):
+        return {p[0] for p in parts} & {r.seq for r in batch.runs if r is not None and not r.prefill}
 
-    def recording(parts, **kw):
-        gen = {r.seq for r in batch.runs if r is not None and not r.prefill}
-        seen.append({p[0] for p in parts} & gen)
-        return decode(parts, **kw)
-
-    ms.decode = recording
-    try:
-        yield seen
-    finally:
-        ms.decode = decode
+    return recording_decodes(batch.ms, generating)
 
 
 def run_all(batch, engine, requests, *, cancel_at=None, join=None):

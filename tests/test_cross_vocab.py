@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import N_EXACT, PROMPTS
-from helpers import assert_same_distribution, second_tokens
+from helpers import assert_same_distribution, recording_decodes, second_tokens
 from tinymodels import WORDS, write_model
 from localspec.core.engine import Engine, GenConfig
 from localspec.models.gguf_header import read_file_metadata
@@ -236,15 +236,8 @@ def test_cross_vocab_drafts_run_in_batch_slots_beside_other_requests(near_engine
         methods = ["draft", "none", "draft", "lookup"]
         reqs = [(near_engine.raw_prompt(p), GenConfig(method=m, k=4, max_tokens=N_EXACT, p_min=0.0))
                 for p, m in zip(PROMPTS, methods)]
-        seen = []
-        decode = b.ms.decode
-
-        def recording(parts, copy=True):
-            seen.append({seq for seq, _, _ in parts})
-            return decode(parts, copy)
-
-        monkeypatch.setattr(b.ms, "decode", recording)
-        got = b.generate_all(reqs)
+        with recording_decodes(b.ms) as seen:
+            got = b.generate_all(reqs)
         for p, fin in zip(PROMPTS, got):
             assert fin.tokens == plain[p], p
         assert sum(len(s) == 4 for s in seen) >= N_EXACT // 4  # the four requests shared most steps

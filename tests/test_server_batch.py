@@ -3,7 +3,6 @@ a client that leaves mid-batch leaves the others unchanged; /health and /metrics
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import signal
@@ -12,7 +11,8 @@ import threading
 import pytest
 
 from conftest import require_exact_batching
-from helpers import Served, at_once, chat, cli, completed, loaded_session, one_error_line, server_env, serving, start_serve, text
+from helpers import (Served, at_once, chat, cli, completed, loaded_session, one_error_line, recording_decodes,
+                     server_env, serving, start_serve, text)
 
 CTX = 2048
 PROMPTS = ["the cat and the dog", "def f(x): return x", "Hello world, the x = y + 1", "Once upon a time"]
@@ -29,21 +29,9 @@ def batched(target_path, tmp_path_factory):
             yield s
 
 
-@contextlib.contextmanager
 def decodes(s: Served):
     """The sequences of every batched decode while the block runs (one set per llama_decode)."""
-    ms = s.app.state.worker.batch.ms
-    decode, seen = ms.decode, []
-
-    def recording(parts, **kw):
-        seen.append({p[0] for p in parts})
-        return decode(parts, **kw)
-
-    ms.decode = recording
-    try:
-        yield seen
-    finally:
-        ms.decode = decode
+    return recording_decodes(s.app.state.worker.batch.ms)
 
 
 def test_health_and_metrics_show_the_slots(batched, exact_batching):
