@@ -357,3 +357,25 @@ def test_tool_parameters_are_closed_at_every_level():
     g = TG.choice_grammar([tool], "required", None)
     assert accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat"}}}')
     assert not accepts(g, '{"name": "f", "arguments": {"pet": {"kind": "cat", "legs": 4}}}')
+
+
+def test_the_grammar_drafter_walks_the_matcher_once_per_grammar_state():
+    """A step asks the grammar drafter twice at one state (offer, then propose): the forced tokens are computed once,
+    again at the next state, and again where a bigger k may find more than the first walk was allowed to."""
+    from localspec.drafters.grammar import GrammarDrafter
+
+    class Forced:
+        walks = 0
+
+        def forced(self, limit):
+            self.walks += 1
+            return [7, 8, 9][:limit]
+
+    con = Forced()
+    d = GrammarDrafter(con)
+    ctx = [1, 2, 3]
+    assert d.offer(ctx, 4).k == 3 and d.propose(ctx, 4, None, None).tokens == [7, 8, 9]
+    assert d.propose(ctx, 2, None, None).tokens == [7, 8] and con.walks == 1
+    assert d.offer(ctx + [7], 2).k == 2 and con.walks == 2
+    assert d.propose(ctx + [7], 4, None, None).tokens == [7, 8, 9] and con.walks == 3  # the walk stopped at 2
+    assert d.offer(ctx, 0) is None and con.walks == 3

@@ -28,13 +28,27 @@ class GrammarDrafter(Drafter):
 
     def __init__(self, constraint) -> None:
         self.constraint = constraint
+        self._asked: tuple | None = None  # ((context length, pending token), limit, forced tokens): the last walk
 
     def offer(self, context: Sequence[int], k: int) -> Offer | None:
-        n = len(self.constraint.forced(k)) if k > 0 else 0
+        n = len(self._forced(context, k))
         return Offer(n, self.name) if n else None
 
     def propose(self, context: Sequence[int], k: int, sp: SamplingParams, rng: np.random.Generator) -> Proposal:
-        return Proposal(list(self.constraint.forced(k))) if k > 0 else Proposal()
+        return Proposal(self._forced(context, k))
+
+    def _forced(self, context: Sequence[int], k: int) -> list[int]:
+        """The constraint's forced tokens, at most k. A step asks twice at one grammar state (offer, then propose):
+        the matcher walks once; the first k forced tokens are a prefix of any longer walk's."""
+        if k <= 0:
+            return []
+        at = (len(context), context[-1] if context else None)
+        if self._asked is not None and self._asked[0] == at and (k <= self._asked[1] or
+                                                                 len(self._asked[2]) < self._asked[1]):
+            return list(self._asked[2][:k])
+        toks = list(self.constraint.forced(k))
+        self._asked = (at, k, toks)
+        return list(toks)
 
     def cost(self) -> float:
         return 0.0  # the matcher's walk, next to nothing beside a target step
