@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import PROMPTS, RECURRENT_CTX as CTX
-from helpers import alone, gen_config
+from helpers import alone, gen_config, recording_decodes
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine
 from localspec.core.exactness import one_token_rows
@@ -310,3 +310,32 @@ def test_the_batch_probes_verdict_is_kept_per_rollback_kind(hybrid_path, monkeyp
             b.close()
             e.close()
     assert [k for k, _ in keys] == ["rs", "checkpoint"] and keys[0][1] != keys[1][1]
+
+
+@pytest.mark.parametrize("which", ["mamba", "hybrid"])
+def test_a_recurrent_draft_of_another_vocabulary_drafts_in_the_batch(which, target_path, tmp_path_factory):
+    """A recurrent (Mamba: checkpoints) or hybrid (planes) draft model whose vocabulary is not the target's drafts
+    through text in each slot, on its own sequence of one draft context: the slots decode together, each rolls its
+    rejected drafts back on its own, and the answers are the same requests' alone."""
+    from tinymodels import WORDS, write_lfm2, write_mamba
+
+    write = write_mamba if which == "mamba" else write_lfm2
+    draft = write(tmp_path_factory.mktemp("xrec") / f"{which}.gguf", 2002, words=WORDS[:-2] + ["ta", "no"])
+    e = Engine.load(target_path, draft, n_ctx=CTX, threads=1)
+    b = BatchEngine(e, 3)
+    try:
+        assert e.draft_kind == "cross-vocab" and b.xvocab is not None and b.single_reason(gen_config("draft")) == ""
+        cfg = lambda: gen_config("draft", k=4, max_tokens=40, p_min=0.0, exactness="lossless")  # noqa: E731
+        with recording_decodes(b.ms) as seen:
+            got = b.generate_all([(e.raw_prompt(p), cfg()) for p in PROMPTS[:3]])
+        assert [r.tokens for r in got] == [alone(e, p, cfg()).tokens for p in PROMPTS[:3]]
+        assert sum(len(s) == 3 for s in seen) >= 5  # the three slots shared steps
+        kind = "checkpoint" if which == "mamba" else "rs"
+        assert b.xvocab.ms is not None and b.xvocab.ms.rollback_kind == kind
+        st = [r.stats for r in got]
+        assert all(s.draft_rollback == kind for s in st)
+        assert sum(s.drafted for s in st) > sum(s.accepted for s in st)  # rejected drafts were rolled back
+        assert sum(s.draft_restores for s in st) > 0
+    finally:
+        b.close()
+        e.close()

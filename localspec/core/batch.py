@@ -286,7 +286,8 @@ class BatchEngine(PassShapes):
         stats = new_stats(cfg, label, k, level, why)
         stats.rollback = self.ms.rollback_kind
         if "draft" in policy.drafters:
-            stats.draft_rollback = self.drafts.rollback_kind if self.drafts is not None else "kv"
+            drafts = self.drafts if self.drafts is not None else self.xvocab
+            stats.draft_rollback = drafts.rollback_kind if drafts is not None else "kv"
         if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "suffix"}:
             why = "batched: auto speculates with prompt lookup and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
@@ -303,8 +304,8 @@ class BatchEngine(PassShapes):
 
     def _rollback_counters(self, seq: int) -> tuple[dict, dict | None]:
         """Slot `seq`'s rollback counters on the target's and the draft model's sequences (take differences)."""
-        return self.ms.rollback_counters(seq), (self.drafts.rollback_counters(seq) if self.drafts is not None
-                                                else None)
+        drafts = self.drafts if self.drafts is not None else self.xvocab
+        return self.ms.rollback_counters(seq), (drafts.rollback_counters(seq) if drafts is not None else None)
 
     def _suffix_drafter(self, seq: int):
         """Slot `seq`'s suffix drafter. The requests finished in the other free slots join the shared corpus first,

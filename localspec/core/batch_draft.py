@@ -46,6 +46,11 @@ CATCH_UP_TIMED = 2  # catch-up rows beyond this make a step's draft time a catch
 # single path: after a fully accepted proposal a slot decodes its last draft and the target's bonus token)
 
 
+# a sequence's rollback counters before its context exists (llama/seqstate.py's fields)
+NO_ROLLBACKS = {"restores": 0, "replayed_tokens": 0, "rs_rollbacks": 0, "checkpoint_bytes": 0, "save_s": 0.0,
+                "restore_s": 0.0}
+
+
 def batch_draft_reason(engine) -> str:
     """Why draft-model requests cannot be batched with `engine`'s draft model ('' when they can)."""
     draft = engine.draft
@@ -55,9 +60,6 @@ def batch_draft_reason(engine) -> str:
     if kind == "none":
         return (f"the draft model {draft.name} keeps a recurrent state that cannot be rolled back here: draft-model "
                 "requests run on the single-sequence path")
-    if getattr(engine, "draft_kind", None) == "cross-vocab" and kind != "kv":  # core/batch_xvocab.py: KV drafts only
-        return (f"the draft model {draft.name} has another vocabulary and keeps a recurrent state ({kind} rollback): "
-                "draft-model requests run on the single-sequence path")
     return ""
 
 
@@ -146,10 +148,7 @@ class BatchDraft:
 
     def rollback_counters(self, seq: int) -> dict:
         """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""
-        if self.ms is None:
-            return {"restores": 0, "replayed_tokens": 0, "rs_rollbacks": 0, "checkpoint_bytes": 0, "save_s": 0.0,
-                    "restore_s": 0.0}
-        return self.ms.rollback_counters(seq)
+        return self.ms.rollback_counters(seq) if self.ms is not None else dict(NO_ROLLBACKS)
 
     def flush(self) -> None:
         """Decode the slots' pending replays (a recurrent draft model's accepted drafts after a restore)."""

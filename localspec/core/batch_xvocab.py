@@ -5,11 +5,13 @@ own context and the draft's tokenization of it, and decodes the draft's own toke
 row for row with another slot's as a same-vocabulary draft's are (core/batch_draft.py). Here every slot gets its own
 drafter over its own sequence of ONE multi-sequence context of the draft model (llama/seqview.py): the slots share the
 weights and one KV allocation, each keeps its cache prefix from step to step as the single-sequence drafter does, and
-each drafts on its own decodes, timed as its own draft time (Generation.propose).
+each drafts on its own decodes, timed as its own draft time (Generation.propose). A recurrent draft model rolls each
+slot's sequence back on its own, as a draft model of the target's vocabulary does.
 """
 
 from __future__ import annotations
 
+from localspec.core.batch_draft import NO_ROLLBACKS
 from localspec.drafters.base import Drafter
 
 
@@ -30,10 +32,21 @@ class CrossVocabSlots:
 
     @classmethod
     def for_engine(cls, engine, n_slots: int) -> "CrossVocabSlots | None":
-        """None unless the engine's draft model has another vocabulary than its target and a KV cache to roll back."""
-        if not cross_vocab(engine) or getattr(engine.draft, "rollback_kind", "kv") != "kv":
+        """None unless the engine's draft model has another vocabulary than its target and a state it can roll back
+        (a KV cache; a recurrent state by a plane or a checkpoint: each slot's sequence rolls back on its own,
+        llama/multiseq.py)."""
+        if not cross_vocab(engine) or getattr(engine.draft, "rollback_kind", "kv") == "none":
             return None
         return cls(engine, n_slots)
+
+    @property
+    def rollback_kind(self) -> str:
+        """How a slot's rejected drafts leave its sequence: the MultiSeq's kind, or the model's before it exists."""
+        return self.ms.rollback_kind if self.ms is not None else getattr(self.engine.draft, "rollback_kind", "kv")
+
+    def rollback_counters(self, seq: int) -> dict:
+        """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""
+        return self.ms.rollback_counters(seq) if self.ms is not None else dict(NO_ROLLBACKS)
 
     def drafter(self, seq: int, p_min: float) -> Drafter:
         from localspec.drafters.cross_vocab import CrossVocabDrafter

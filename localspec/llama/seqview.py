@@ -20,8 +20,6 @@ _VOCAB_CALLS = ("piece", "tokenize_bytes", "is_control", "is_eog", "vocab_info",
 class SeqView:
     """Sequence `seq` of `ms` (a MultiSeq over `model`), used as a Model by one drafter. Not thread-safe."""
 
-    rollback_kind = "kv"  # MultiSeq holds transformers' KV only
-
     def __init__(self, ms, seq: int, model) -> None:
         self.ms = ms
         self.seq = seq
@@ -32,6 +30,10 @@ class SeqView:
         if name in _VOCAB_CALLS:
             return getattr(self.model, name)
         raise AttributeError(name)
+
+    @property
+    def rollback_kind(self) -> str:
+        return self.ms.rollback_kind
 
     @property
     def n_ctx(self) -> int:
@@ -55,6 +57,8 @@ class SeqView:
         return self.ms.decode([(self.seq, rest, [len(rest) - 1])], copy=copy)[0]
 
     def truncate(self, n_keep: int) -> list[int]:
+        """Cut the sequence at n_keep. A recurrent state restored from a checkpoint leaves its replay pending: the
+        sequence's next decode (MultiSeq.decode) makes it first, so nothing is decoded again here."""
         self.ms.truncate(self.seq, n_keep)
         return []
 

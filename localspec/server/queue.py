@@ -4,7 +4,7 @@ Retry-After). A client that goes away cancels its generation within one decoding
 parallel 1: one generation at a time, in turn (the Engine). parallel N > 1: up to N requests decoded together by a
 BatchEngine (core/batch.py: one llama_decode a step over every active slot); requests join between steps, in the
 order they came; a draft head's request (method eagle3, dflash, mtp) drafts in its slot like any other. A request
-the batch cannot take (BatchEngine.single_reason: a draft model whose state cannot follow a slot) waits until the
+the batch cannot take (BatchEngine.single_reason: a model whose state llama.cpp cannot roll back) waits until the
 running ones are done, then runs alone on the Engine; requests behind it wait behind it (first come, first served).
 A cancelled request (its client went away) leaves its slot at the next step; the others go on unchanged."""
 
