@@ -127,7 +127,7 @@ def test_each_app_has_its_own_registry(session):
 def test_the_serve_command_has_no_metrics(monkeypatch):
     from typer.testing import CliRunner
 
-    import localspec.server.app as A
+    import localspec.server.main as A
     from localspec.cli.app import app
 
     seen = {}
