@@ -23,7 +23,7 @@ from localspec import defaults as D
 from localspec.errors import SettingError, UsageError
 from localspec.llama import aborts  # hooks only: no llama_cpp import
 from localspec.llama.threads import check_threads
-from localspec.models import download, registry
+from localspec.models import download, registry, remote
 from localspec.models import hubname as hfname
 from localspec.models.spec import FileSpec
 from localspec.printable import printable
@@ -304,7 +304,7 @@ class Session:
                 dspec, dpair = pair.draft, pair
         vetted = pair is not None and dpair is pair and pair.source == "shipped"  # shipped pairs are checked
         if dspec is not None and not vetted and (download.local_path(tspec) is None or download.local_path(dspec) is None):
-            why = download.remote_incompatibility(tspec, dspec)
+            why = remote.remote_incompatibility(tspec, dspec)
             if why:
                 msg = f"draft {Path(dspec.label).name} cannot speculate for {Path(tspec.label).name}: {why}"
                 if method != "auto":

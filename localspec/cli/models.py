@@ -99,9 +99,9 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub mo
 
 def _remote_compat(pair) -> None:
     """Pair check on the GGUF headers, read remotely (HTTP range requests) before fetching gigabytes."""
-    from localspec.models import download
+    from localspec.models import remote
 
-    why = download.remote_incompatibility(pair.target, pair.draft)
+    why = remote.remote_incompatibility(pair.target, pair.draft)
     if why:
         raise UsageError(f"pair {pair.name} cannot speculate: {why} (nothing was downloaded)")
 
@@ -171,7 +171,7 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     from localspec.models import download
     from localspec.models import registry
     from localspec.models import rollback
-    from localspec.models.gguf_header import drafter_kind, drafter_words, pair_incompatibility, read_file_metadata, summary
+    from localspec.models.gguf_header import drafter_kind, drafter_words, read_file_metadata, summary
 
     from localspec.models import local as stores
 
@@ -238,16 +238,15 @@ def models_add(
     description: Annotated[str, typer.Option("--description", help="A line shown by `localspec models list`.")] = "",
 ):
     """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
-    from localspec.models import download
     from localspec.models import hubname as hfname
-    from localspec.models import registry
+    from localspec.models import registry, remote
 
     registry.check_name(name)
     t = hfname.file_spec(target)
     d = hfname.file_spec(draft) if draft else None
     from localspec.models.gguf_header import drafter_kind, pair_incompatibility
 
-    metas = download.header_metadata(t, d) if d is not None else download.header_metadata(t)  # local or remote
+    metas = remote.header_metadata(t, d) if d is not None else remote.header_metadata(t)  # local or remote
     why = pair_incompatibility(*metas) if metas is not None and d is not None else None
     if why:
         sys.stderr.write(printable(f"warning: this draft cannot speculate for the target ({why}); `run` will use "

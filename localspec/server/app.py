@@ -92,33 +92,6 @@ def _config(config: ServerConfig | None, **overrides) -> ServerConfig:
     return (config or ServerConfig()).replace(**given) if given else (config or ServerConfig())
 
 
-class Logprobs:
-    """The logprobs of a response's tokens as they stream (Piece.logprob/top), formatted by `fmt` (chat's or the
-    legacy form, server/openai.py) for each chunk that carries them or for the whole answer."""
-
-    def __init__(self, target, fmt) -> None:
-        self.target, self.fmt = target, fmt
-        self.pending: list[dict] = []
-        self.offset = 0  # characters of token text so far (the legacy text_offset)
-
-    def _one(self, token: int, logprob: float) -> dict:
-        b = self.target.piece(token)
-        return {"token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": logprob}
-
-    def add(self, ev: Piece) -> None:
-        if ev.logprob is None:
-            return
-        r = self._one(ev.token, ev.logprob)
-        r["top"] = [self._one(t, lp) for t, lp in ev.top or ()]
-        r["offset"] = self.offset
-        self.offset += len(r["token"])
-        self.pending.append(r)
-
-    def take(self) -> dict:
-        out, self.pending = self.fmt(self.pending), []
-        return out
-
-
 class Generations:
     """What the routes share: the session's settings resolved once, the served name, the worker."""
 
@@ -210,7 +183,7 @@ class Generations:
         tokens = await self.prompt(build, cfg)
         n = req.n or 1
         cfgs = [cfg] + [self.choice_config(req, i, constraint_again) for i in range(1, n)]
-        lps = [Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
+        lps = [O.Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
                for _ in range(n)]
         jobs = [Job(lambda eng: tokens, c, asyncio.get_running_loop(), asyncio.Queue()) for c in cfgs]
         for job in jobs:
@@ -329,7 +302,7 @@ class Generations:
                 t.cancel()
 
     async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
-                     splitter: T.ToolStream | None = None, lp: Logprobs | None = None):
+                     splitter: T.ToolStream | None = None, lp: O.Logprobs | None = None):
         def with_logprobs(c: dict) -> dict:  # a chunk carries the logprobs of the tokens since the last one
             if lp is not None and lp.pending:
                 c["choices"][0]["logprobs"] = lp.take()

@@ -133,3 +133,30 @@ def completion_logprobs(records: list[dict]) -> dict:
     return {"tokens": [r["token"] for r in records], "token_logprobs": [r["logprob"] for r in records],
             "top_logprobs": [{a["token"]: a["logprob"] for a in r["top"]} for r in records],
             "text_offset": [r["offset"] for r in records]}
+
+
+class Logprobs:
+    """The logprobs of a response's tokens as they stream (Piece.logprob/top), formatted by `fmt` (chat's or the
+    legacy form, server/openai.py) for each chunk that carries them or for the whole answer."""
+
+    def __init__(self, target, fmt) -> None:
+        self.target, self.fmt = target, fmt
+        self.pending: list[dict] = []
+        self.offset = 0  # characters of token text so far (the legacy text_offset)
+
+    def _one(self, token: int, logprob: float) -> dict:
+        b = self.target.piece(token)
+        return {"token": b.decode("utf-8", "replace"), "bytes": list(b), "logprob": logprob}
+
+    def add(self, ev) -> None:  # a core.generation Piece
+        if ev.logprob is None:
+            return
+        r = self._one(ev.token, ev.logprob)
+        r["top"] = [self._one(t, lp) for t, lp in ev.top or ()]
+        r["offset"] = self.offset
+        self.offset += len(r["token"])
+        self.pending.append(r)
+
+    def take(self) -> dict:
+        out, self.pending = self.fmt(self.pending), []
+        return out

@@ -64,7 +64,8 @@ def chat_tools(req: ResponsesRequest) -> tuple[list[dict] | None, Any]:
 def output_format(req: ResponsesRequest) -> tuple[dict | None, str | None]:
     """(the JSON Schema `text.format` asks the answer to follow, its grammar); (None, None): free text. 400 naming
     text.format for a bad or unsupported one."""
-    from localspec.server.grammar import closed, format_schema, usable_schema
+    from localspec.server.grammar import format_schema, usable_schema
+    from localspec.server.json_schema import closed
 
     if req.text is None:
         return None, None

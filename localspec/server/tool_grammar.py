@@ -29,8 +29,8 @@ def call_format(template: str | None) -> str:
 
 def _closed(tool: dict) -> dict:
     """A function's parameters schema with its declared properties the only ones, at every level (unless it says
-    otherwise; grammar.closed): an argument the function does not take would fail the call anyway."""
-    from localspec.server.grammar import closed
+    otherwise; json_schema.closed): an argument the function does not take would fail the call anyway."""
+    from localspec.server.json_schema import closed
 
     return closed(tool["function"].get("parameters") or {"type": "object", "properties": {}})
 
@@ -45,7 +45,8 @@ _FENCE_OPEN = r"```(json)?[ \t]{0,16}\r?\n[ \t]{0,16}"
 def _call_schema(tools: list[dict], chosen: list[tuple[int, dict]], key: str, outer: str = "") -> dict:
     """The JSON Schema of one call of any `chosen` tool ({"name": const, key: parameters}); `outer`: where the call
     sits in the schema llguidance reads (each function's `$ref`s are moved there). 400 naming tools[i]."""
-    from localspec.server.grammar import rebase, usable_schema
+    from localspec.server.grammar import usable_schema
+    from localspec.server.json_schema import rebase
 
     calls = []
     for n, (i, t) in enumerate(chosen):
@@ -85,7 +86,7 @@ def auto_grammar(tools: list[dict] | None, tool_choice, template: str | None, pa
     to its schema is refused, not left unchecked."""
     if tools is None or tool_choice not in (None, "auto"):
         return None
-    from localspec.server.grammar import JSON_STYLE
+    from localspec.server.json_schema import JSON_STYLE
 
     fmt = fmt or call_format(template)
     key = "parameters" if fmt == "llama3" else "arguments"
@@ -125,7 +126,7 @@ def choice_grammar(tools: list[dict] | None, tool_choice, template: str | None, 
     tools[i]) for a function schema llguidance cannot compile."""
     if tools is None or not (tool_choice == "required" or isinstance(tool_choice, dict)):
         return None
-    from localspec.server.grammar import JSON_STYLE
+    from localspec.server.json_schema import JSON_STYLE
 
     chosen = list(enumerate(tools))
     if isinstance(tool_choice, dict):
