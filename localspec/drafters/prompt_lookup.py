@@ -14,10 +14,10 @@ from localspec.drafters.base import Drafter, Offer, Proposal
 
 
 REACH_MAX = 12  # a match's reach is counted up to here (the top band)
-# reach -> the estimate that judges it, and the acceptance that estimate starts from until measured. On the recorded
-# Qwen answers (bench.replay), at the steps a drafting run stands on, the first token was accepted 0.53 of the time at
-# a reach of 2-3, 0.8-0.88 at 4-11 and 0.97 at 12+. The middle prior sits well below its figure: a short copy's first
-# steps, judged on a prior that high, were drafted at a loss before its first miss was seen.
+# reach -> the estimate that judges it, and the acceptance that estimate starts from until measured: a longer match is
+# a copy in progress, accepted more often. The middle prior sits below what the replay measures for that band: a short
+# copy's first steps, judged on the measured figure, were drafted at a loss before its first miss was seen
+# (docs/design.md, "By the reach of its match", has the figures).
 REACH_BANDS = ((0, 3, "2-3", 0.5), (4, 11, "4-11", 0.6), (12, REACH_MAX, "12+", 0.9))
 
 

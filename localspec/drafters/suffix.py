@@ -46,8 +46,7 @@ _MASK = (1 << 64) - 1
 # reach -> the estimate that judges the proposal, and the acceptance it starts from until its shadows are judged. A
 # match that reaches 12 tokens back is a copy in progress (prompt_lookup.REACH_BANDS); shorter matches into earlier
 # requests often stand on shared boilerplate (the chat template, a code preamble), so they start lower than lookup's:
-# replayed on the recorded Qwen answers with the other answers cached, lookup's priors drafted them at a loss (0.96x
-# plain on the AVX-512 curve), these keep every answer at >= 0.97x and a repeated answer at 1.3-2.1x.
+# with lookup's priors the replay drafted them at a loss (docs/design.md, "By the reach of its match", has the figures).
 REACH_BANDS = ((0, 3, "2-3", 0.3), (4, 11, "4-11", 0.4), (12, DEPTH, "12+", 0.9))
 
 
