@@ -4,7 +4,9 @@
 # each server alone on the machine, 1/2/4 clients (benchmarks/serve_concurrency.py).
 # Usage: benchmarks/serve_concurrency.sh [TARGET.gguf]   (env: BIN=dir of native tools, N=64, REQUESTS=2, THREADS=2,
 #   CTX=4096 per slot, PORT=8090, CONFIGS="1:none 2:none 4:none 1:auto 2:auto 4:auto", NATIVE="plain ngram-simple"
-#   (NATIVE=none: no native server; a config "4:auto:split" runs that server with --kv-layout split, default auto), CLIENTS=1,2,4, ROUNDS=1: the whole list again, interleaved, to see the drift)
+#   (NATIVE=none: no native server; a config "4:auto:split" runs that server with --kv-layout split, default auto), CLIENTS=1,2,4, ROUNDS=1: the whole list again, interleaved, to see the drift,
+#   SCHEMA=1: every request asks for a json_schema answer, LOCALSPEC="localspec": the command that serves, e.g.
+#   "env PYTHONPATH=/other/checkout python -m localspec" for an older checkout)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-$HOME/.cache/localspec-anchor/build/bin}
@@ -14,6 +16,8 @@ CONFIGS=${CONFIGS:-"1:none 2:none 4:none 1:auto 2:auto 4:auto"}
 NATIVE=${NATIVE:-"plain ngram-simple"}; [ "$NATIVE" = none ] && NATIVE=""
 CLIENTS=${CLIENTS:-1,2,4}; ROUNDS=${ROUNDS:-1}
 PY=${PYTHON:-python3}
+read -r -a LS <<<"${LOCALSPEC:-localspec}"
+SCHEMA_FLAG=(); [ "${SCHEMA:-0}" = 1 ] && SCHEMA_FLAG=(--json-schema)
 pid=""
 stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi; }
 trap stop EXIT
@@ -25,11 +29,11 @@ wait_up() {
   done
   return 1
 }
-bench() { "$PY" "$here/serve_concurrency.py" --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" -n "$N" --requests "$REQUESTS" --label "$1"; }
+bench() { "$PY" "$here/serve_concurrency.py" --url "http://127.0.0.1:$PORT" --clients "$CLIENTS" -n "$N" --requests "$REQUESTS" --label "$1" "${SCHEMA_FLAG[@]}"; }
 for round in $(seq "$ROUNDS"); do
 for cfg in $CONFIGS; do
   IFS=: read -r np method layout <<<"$cfg"
-  localspec serve -m "$T" --method "$method" --parallel "$np" --kv-layout "${layout:-auto}" --threads "$THREADS" \
+  "${LS[@]}" serve -m "$T" --method "$method" --parallel "$np" --kv-layout "${layout:-auto}" --threads "$THREADS" \
     -c "$CTX" --port "$PORT" 2>"/tmp/serve_concurrency.$np.$method.log" &
   pid=$!
   label="localspec --parallel $np $method${layout:+ $layout}"
