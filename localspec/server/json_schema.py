@@ -26,18 +26,13 @@ def closed(schema, _part: bool = False):
         return [closed(x) for x in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {}
-    for k, v in schema.items():
-        if k in _DATA:
-            out[k] = v
-        elif k in _NAMED and isinstance(v, dict):
-            out[k] = {name: closed(sub) for name, sub in v.items()}
-        elif k == "allOf" and isinstance(v, list):
-            out[k] = [closed(x, _part=True) for x in v]
-        elif k in _ONE or k in _MANY:
-            out[k] = closed(v)
-        else:
-            out[k] = v
+
+    def other(k, v):
+        if k == "allOf" and isinstance(v, list):
+            return [closed(x, _part=True) for x in v]
+        return closed(v) if k in _ONE or k in _MANY else v
+
+    out = _each_key(schema, closed, other)
     if "properties" in out and not _part and not any(k in out for k in _OPEN):
         out["additionalProperties"] = False
     return out
@@ -49,6 +44,20 @@ _DATA = frozenset({"const", "enum", "default", "examples"})
 _NAMED = frozenset({"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"})
 
 
+def _each_key(node: dict, named, other) -> dict:
+    """A copy of the schema object `node`: JSON data kept as it is, each schema of a name-to-schema map through
+    named(schema), every other key's value through other(key, value)."""
+    out = {}
+    for k, v in node.items():
+        if k in _DATA:
+            out[k] = v
+        elif k in _NAMED and isinstance(v, dict):
+            out[k] = {name: named(sub) for name, sub in v.items()}
+        else:
+            out[k] = other(k, v)
+    return out
+
+
 def map_refs(node, fn):
     """A copy of the JSON Schema `node` in which each subschema that holds a `$ref` is replaced by fn(subschema)
     (its own subschemas mapped first). A subschema with its own `$id` is a resource of its own, whose references
@@ -57,14 +66,7 @@ def map_refs(node, fn):
         return [map_refs(x, fn) for x in node]
     if not isinstance(node, dict) or "$id" in node:
         return node
-    out = {}
-    for k, v in node.items():
-        if k in _DATA:
-            out[k] = v
-        elif k in _NAMED and isinstance(v, dict):
-            out[k] = {name: map_refs(sub, fn) for name, sub in v.items()}
-        else:
-            out[k] = map_refs(v, fn)
+    out = _each_key(node, lambda sub: map_refs(sub, fn), lambda k, v: map_refs(v, fn))
     return fn(out) if isinstance(out.get("$ref"), str) else out
 
 
