@@ -6,7 +6,8 @@
 # Usage: benchmarks/native_compare.sh [TARGET.gguf] [DRAFT.gguf]   (env: BIN=dir of native tools, REPS=2, N=128,
 #   PROMPTS=a prompts JSON file (default heldout_prompts.json; auto_prompts.json has six kinds of prompt where lookup pays),
 #   CONFIGS="METHOD:EXACTNESS:K ..." for localspec (default "none:auto:8 auto:bit:8 auto:lossless:8"; auto:auto:8 is
-#   `auto` as shipped), OLD=a checkout of an older localspec to run beside it (same venv) as old-METHOD-EXACTNESS)
+#   `auto` as shipped), OLD=a checkout of an older localspec to run beside it (same venv) as old-METHOD-EXACTNESS, WARM=1: keep the
+#   suffix cache across runs and rounds (default: each run starts without one))
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-$HOME/.cache/localspec-anchor/build/bin}
@@ -16,6 +17,7 @@ N=${N:-128}; REPS=${REPS:-2}
 PY=${PYTHON:-python3}
 work=$(mktemp -d)
 PROMPTS=${PROMPTS:-$here/heldout_prompts.json}
+persist=0; [ "${WARM:-0}" = 1 ] && persist=1
 CONFIGS=${CONFIGS:-"none:auto:8 auto:bit:8 auto:lossless:8"}
 ids=$($PY -c "import json,sys; print(' '.join(p['id'] for p in json.load(open(sys.argv[1]))))" "$PROMPTS")
 for id in $ids; do
@@ -40,7 +42,8 @@ for rep in $(seq "$REPS"); do
       IFS=: read -r method exactness k <<<"$cfg"
       for side in new ${OLD:+old}; do
         dir=$here/..; [[ $side == old ]] && dir=$OLD
-        r=$(cd "$dir" && $PY -m localspec run -m "$T" -d "$D" --method "$method" --exactness "$exactness" -k "$k" -n "$N" --threads 2 --json "$(cat "$work/$id.prompt")" 2>/dev/null \
+        # every run drafts as a first request would: no suffix cache kept from an earlier round (WARM=1 keeps it)
+        r=$(cd "$dir" && LOCALSPEC_SUFFIX_CACHE=$persist $PY -m localspec run -m "$T" -d "$D" --method "$method" --exactness "$exactness" -k "$k" -n "$N" --threads 2 --json "$(cat "$work/$id.prompt")" 2>/dev/null \
             | $PY -c "import json,sys; d=json.load(sys.stdin); print(round(d['tokens_per_second'], 2), 'tok/s', d['steps_by_method'], d['exactness'])")
         label=localspec; [[ $side == old ]] && label=old
         echo "$rep $id $label-$method-$exactness-k$k $r"

@@ -47,7 +47,7 @@ def main() -> None:
     ap.add_argument("--draft")
     ap.add_argument("-n", type=int, default=64)
     a = ap.parse_args()
-    env = dict(os.environ)
+    env = {**os.environ, "LOCALSPEC_SUFFIX_CACHE": "0"}  # each run drafts as a first request would (the same prompts again)
     subprocess.run(cmd(a.model, a.draft, 4, "warm up"), env=env, check=True, capture_output=True)  # probe + page cache
     seq = sequential(a.model, a.draft, a.n, env)
     con = concurrent(a.model, a.draft, a.n, {**env, "LOCALSPEC_PARALLEL": "1"})

@@ -6,7 +6,8 @@
 #   CTX=4096 per slot, PORT=8090, CONFIGS="1:none 2:none 4:none 1:auto 2:auto 4:auto", NATIVE="plain ngram-simple"
 #   (NATIVE=none: no native server; a config "4:auto:split" runs that server with --kv-layout split, default auto), CLIENTS=1,2,4, ROUNDS=1: the whole list again, interleaved, to see the drift,
 #   SCHEMA=1: every request asks for a json_schema answer, LOCALSPEC="localspec": the command that serves, e.g.
-#   "env PYTHONPATH=/other/checkout python -m localspec" for an older checkout)
+#   "env PYTHONPATH=/other/checkout python -m localspec" for an older checkout, WARM=1: keep the suffix cache across
+#   server starts)
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 BIN=${BIN:-$HOME/.cache/localspec-anchor/build/bin}
@@ -18,6 +19,8 @@ CLIENTS=${CLIENTS:-1,2,4}; ROUNDS=${ROUNDS:-1}
 PY=${PYTHON:-python3}
 read -r -a LS <<<"${LOCALSPEC:-localspec}"
 SCHEMA_FLAG=(); [ "${SCHEMA:-0}" = 1 ] && SCHEMA_FLAG=(--json-schema)
+# each server starts without the suffix cache of an earlier start (the same prompts every round); WARM=1 keeps it
+persist=0; [ "${WARM:-0}" = 1 ] && persist=1
 pid=""
 stop() { if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi; }
 trap stop EXIT
@@ -33,7 +36,7 @@ bench() { "$PY" "$here/serve_concurrency.py" --url "http://127.0.0.1:$PORT" --cl
 for round in $(seq "$ROUNDS"); do
 for cfg in $CONFIGS; do
   IFS=: read -r np method layout <<<"$cfg"
-  "${LS[@]}" serve -m "$T" --method "$method" --parallel "$np" --kv-layout "${layout:-auto}" --threads "$THREADS" \
+  LOCALSPEC_SUFFIX_CACHE=$persist "${LS[@]}" serve -m "$T" --method "$method" --parallel "$np" --kv-layout "${layout:-auto}" --threads "$THREADS" \
     -c "$CTX" --port "$PORT" 2>"/tmp/serve_concurrency.$np.$method.log" &
   pid=$!
   label="localspec --parallel $np $method${layout:+ $layout}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
 import re
 import signal
 import statistics
@@ -29,6 +30,10 @@ PROMPTS = ["Write a Python function that reverses a string.", "Explain what a ha
            "List three prime numbers and say why they are prime.", "Write a haiku about compilers."]
 
 
+# localspec runs without the suffix cache of earlier runs: `run` sends the prompts the server has just answered, and
+# a kept cache would draft those answers whole
+FIRST = {**os.environ, "LOCALSPEC_SUFFIX_CACHE": "0"}
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
@@ -41,7 +46,7 @@ def extra(args):
 def start_server(args):
     cmd = [sys.executable, "-m", "localspec", "serve", "-m", args.model, "--port", "0", "--method", args.method,
            "--queue", "16"] + extra(args)
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=FIRST)
     for line in p.stderr:
         m = re.match(r"localspec serve: http://([^:]+):(\d+)/v1", line.decode().strip())
         if m:
@@ -102,7 +107,7 @@ def run_baseline(args):
     for p in PROMPTS:
         cmd = [sys.executable, "-m", "localspec", "run", "-m", args.model, "-n", str(args.n), "--method", args.method,
                "--json", "-q", p] + extra(args)
-        d = json.loads(subprocess.run(cmd, capture_output=True, check=True).stdout)
+        d = json.loads(subprocess.run(cmd, capture_output=True, check=True, env=FIRST).stdout)
         out.append(d)
     return out
 
