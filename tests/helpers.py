@@ -103,8 +103,9 @@ def loaded_session(settings: dict, cfg_dir):
 
 
 def start_long(model, *extra) -> subprocess.Popen:
-    """`run` on `model` (see the long_model fixture) asked for 59000 tokens: a generation a test stops midway (the
-    tiny model drafts almost every token by lookup, 8000 tokens ran out in 3 s, before the tests' wait was over)."""
+    """`run` on `model` (see the long_model fixture) asked for 59000 tokens: a generation a test stops midway. The
+    tiny model drafts almost every token by lookup, at thousands of tokens per second, so the answer must outlast the
+    tests' wait for it to start (6 s of the process's CPU time) by a wide margin."""
     return subprocess.Popen([sys.executable, "-m", "localspec", "run", "-m", str(model), "-c", "60000", "-n", "59000",
                              "--method", "lookup", "--raw", *extra, "the cat"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)

@@ -15,14 +15,15 @@ ARGV = re.compile(r'"-m", "localspec", "(run|serve)"')
 SHELL = re.compile(r'^(?!\s*#).*(?:-m localspec|(?<![\w-])localspec|"\$\{LS\[@\]\}") (run|serve)\b', re.M)
 
 
-def starts_localspec(p: Path) -> bool:
-    return bool((ARGV if p.suffix == ".py" else SHELL).search(p.read_text()))
+def starts_localspec(name: str, text: str) -> bool:
+    return bool((ARGV if name.endswith(".py") else SHELL).search(text))
 
 
 def test_every_timing_script_starts_localspec_without_an_earlier_runs_cache():
-    starters = [p for p in sorted(BENCH.glob("*")) if p.suffix in (".py", ".sh") and starts_localspec(p)]
-    assert {p.name for p in starters} >= {"native_compare.sh", "serve_concurrency.sh", "serve_latency.py",
-                                          "parallel_runs.py", "repeated_work.py"}
-    bare = [p.name for p in starters
-            if "LOCALSPEC_SUFFIX_CACHE" not in p.read_text() and "LOCALSPEC_CACHE_DIR" not in p.read_text()]
+    scripts = {p.name: p.read_text() for p in sorted(BENCH.glob("*")) if p.suffix in (".py", ".sh")}
+    starters = {name: text for name, text in scripts.items() if starts_localspec(name, text)}
+    assert set(starters) >= {"native_compare.sh", "serve_concurrency.sh", "serve_latency.py", "parallel_runs.py",
+                             "repeated_work.py"}
+    bare = [name for name, text in starters.items()
+            if "LOCALSPEC_SUFFIX_CACHE" not in text and "LOCALSPEC_CACHE_DIR" not in text]
     assert not bare, f"these start localspec with the user's suffix cache: {bare}"

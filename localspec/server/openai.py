@@ -137,7 +137,7 @@ def completion_logprobs(records: list[dict]) -> dict:
 
 class Logprobs:
     """The logprobs of a response's tokens as they stream (Piece.logprob/top), formatted by `fmt` (chat's or the
-    legacy form, server/openai.py) for each chunk that carries them or for the whole answer."""
+    legacy form, above) for each chunk that carries them or for the whole answer."""
 
     def __init__(self, target, fmt) -> None:
         self.target, self.fmt = target, fmt
