@@ -296,3 +296,18 @@ def test_an_offer_names_the_prior_its_estimate_starts_from():
         drafter, k = p.choose(answer[:5])
         assert (drafter is not None and k > 0) == drafts
         assert p.est["lookup@x"].prior_alpha == prior
+
+
+def test_a_deep_position_ages_while_position_zero_is_judged():
+    """A deeper position is tried only after the ones before it were accepted: its figures age with every judgement of
+    position 0, so a copy's early successes there do not outlive the prose after it, where position 0 keeps failing."""
+    est = DrafterEstimate(prior_alpha=0.5)
+    for _ in range(4):
+        est.observe(3, 3, None)  # a copy: every position accepted
+    copy_deep = est.alphas(3)[2]
+    for _ in range(10):
+        est.observe(3, 0, None)  # prose: the first token fails, positions 1 and 2 are never tried
+    a0, _, a2 = est.alphas(3)
+    assert copy_deep > 0.95
+    assert a0 < 0.3
+    assert a2 < 0.75  # on its way back to its prior (position 1's figure); left alone, it kept the copy's 0.97

@@ -110,22 +110,24 @@ class DrafterEstimate:
 
     def observe(self, n_drafted: int, n_accepted: int, t_draft: float | None) -> None:
         # position i was tried when drafted and every earlier draft was accepted
-        last = min(n_accepted, n_drafted - 1)
-        while len(self.tried) <= last:
-            self.tried.append(0.0)
-            self.acc.append(0.0)
-        for i in range(last + 1):
-            self.tried[i] = self.tried[i] * DECAY + 1.0
-            self.acc[i] = self.acc[i] * DECAY + (1.0 if i < n_accepted else 0.0)
+        for i in range(min(n_accepted, n_drafted - 1) + 1):
+            self.observe_position(i, i < n_accepted)
         self.observe_time(n_drafted, t_draft)
 
     def observe_position(self, i: int, accepted: bool) -> None:
-        """One position's outcome on its own (what observe() records for each position it reaches)."""
+        """One position's outcome on its own (what observe() records for each position it reaches). Every
+        proposal is judged from position 0, and each judgement there ages the figures of every position: a deeper
+        position is tried only after the ones before it were accepted, and aged only when tried it kept the figures
+        of an answer's first copy through the prose after it, where its position 0 kept failing (docs/design.md,
+        "The controller")."""
         while len(self.tried) <= i:
             self.tried.append(0.0)
             self.acc.append(0.0)
-        self.tried[i] = self.tried[i] * DECAY + 1.0
-        self.acc[i] = self.acc[i] * DECAY + (1.0 if accepted else 0.0)
+        if i == 0:
+            self.tried[:] = [t * DECAY for t in self.tried]
+            self.acc[:] = [a * DECAY for a in self.acc]
+        self.tried[i] += 1.0
+        self.acc[i] += 1.0 if accepted else 0.0
 
     def observe_time(self, n_drafted: int, t_draft: float | None) -> None:
         if t_draft is None:  # this step's draft time included catching up with the prompt: not a per-token cost
