@@ -3,7 +3,8 @@ at the start, the way a shell loop, a script run again or an agent sends them. P
 once, interleaved, each keeping its own caches along the series:
 
 - localspec plain (`--method none`) and `auto` (its suffix cache starts empty in a private cache dir and persists
-  across the series, as it does across a user's runs); with OLD=a checkout, that checkout's `auto` beside it;
+  across the series, as it does across a user's runs); with --old CHECKOUT (once or more), each checkout's `auto`
+  beside it;
 - native `llama-lookup` k=3 without a cache file, and with `-lcd FILE` (its dynamic n-gram cache kept across the
   series), from the same llama.cpp source (../shared/tools/native-llama-cpp.sh).
 
@@ -11,7 +12,7 @@ Groups: `describe` (the same JSON description asked of 6 functions), `docstring`
 `again` (3 of the prompts above sent again: a script run twice) and `control` (commit messages for small real diffs:
 little overlap). Prints one line per run and a table of tok/s per group (total tokens / total seconds).
 
-    python benchmarks/repeated_work.py [--target T.gguf] [-n 96] [--threads 2] [--bin DIR] [--old DIR]
+    python benchmarks/repeated_work.py [--target T.gguf] [-n 96] [--threads 2] [--bin DIR] [--old DIR ...]
 """
 
 from __future__ import annotations
@@ -122,14 +123,16 @@ def main() -> int:
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--bin", type=Path, default=Path.home() / ".cache/localspec-anchor/build/bin")
-    ap.add_argument("--old", type=Path, default=None, help="an older localspec checkout: its `auto` runs beside")
+    ap.add_argument("--old", type=Path, action="append", default=[],
+                    help="an older localspec checkout: its `auto` runs beside (auto-old; again for another: auto-old2)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (a quick check)")
     ap.add_argument("--json", type=Path, default=None, help="write every run as JSON lines here")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="repeated-work-"))
     cfg = {"LOCALSPEC_CONFIG_DIR": str(work / "config")}  # defaults, no user config
     new_env = {**cfg, "LOCALSPEC_CACHE_DIR": str(work / "cache-new")}
-    old_env = {**cfg, "LOCALSPEC_CACHE_DIR": str(work / "cache-old")}
+    olds = [(f"auto-old{j + 1 if j else ''}", d, {**cfg, "LOCALSPEC_CACHE_DIR": str(work / f"cache-old{j}")})
+            for j, d in enumerate(args.old)]
     lcd = work / "lookup-dynamic.bin"
     totals: dict = defaultdict(lambda: [0, 0.0])
     sink = open(args.json, "w") if args.json else None
@@ -143,9 +146,9 @@ def main() -> int:
                                                       ["-lcd", str(lcd)])),
                 ("plain", lambda: localspec_run(ROOT, "none", args.target, prompt, args.n, args.threads, new_env)),
                 ("auto", lambda: localspec_run(ROOT, "auto", args.target, prompt, args.n, args.threads, new_env))]
-        if args.old:
-            runs.append(("auto-old", lambda: localspec_run(args.old, "auto", args.target, prompt, args.n,
-                                                           args.threads, old_env)))
+        for label, d, env in olds:
+            runs.append((label, lambda d=d, env=env: localspec_run(d, "auto", args.target, prompt, args.n,
+                                                                   args.threads, env)))
         for label, fn in runs:
             tokens, secs, extra = fn()
             totals[(group, label)][0] += tokens
@@ -155,8 +158,8 @@ def main() -> int:
             print(json.dumps(line), flush=True)
             if sink:
                 sink.write(json.dumps(line) + "\n")
-    labels = sorted({k[1] for k in totals}, key=lambda x: [r for r in ("native-plain", "native-lookup3",
-                    "native-lookup3-lcd", "plain", "auto", "auto-old")].index(x))
+    order = ["native-plain", "native-lookup3", "native-lookup3-lcd", "plain", "auto"] + [o[0] for o in olds]
+    labels = sorted({k[1] for k in totals}, key=order.index)
     groups = ["describe", "docstring", "again", "control", "all"]
     for lab in labels:
         totals[("all", lab)] = [sum(totals[(g, lab)][0] for g in groups[:-1]),

@@ -19,7 +19,7 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
     "method": (str, D.METHOD, " | ".join(D.METHODS)),
     "exactness": (str, D.EXACTNESS_LEVEL, "bit (output identical to one-token decoding; k capped) | lossless (k uncapped; only "
                                "float reduction order differs) | auto (bit when the cap leaves >= 2 draft tokens)"),
-    "draft_tokens": (int, None, "k: draft tokens per step (default: the pair's k, else 4; auto: the most it may use)"),
+    "draft_tokens": (int, None, "k: draft tokens per step (default: the pair's k, else 4; auto: the most it may use, 2x at most 8 where it repeats earlier text)"),
     "p_min": (float, D.P_MIN, "draft model stops drafting when its top probability falls below this"),
     "lookup_min": (int, D.LOOKUP_MIN, "shortest n-gram prompt lookup matches"),
     "lookup_max": (int, D.LOOKUP_MAX, "longest n-gram prompt lookup matches"),

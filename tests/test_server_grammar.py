@@ -63,26 +63,33 @@ def test_auto_drafts_the_tokens_the_schema_forces_and_the_answer_is_the_same(ope
 
 def test_a_batch_slot_drafts_forced_tokens_only_where_a_verify_row_is_cheap(session):
     """In a batch slot the grammar's forced tokens are drafted where a second verify row costs next to nothing (a
-    GPU's curve), not on a compute-bound CPU's curve, where the other slots' rows already fill the machine."""
+    GPU's curve), not on a compute-bound CPU's curve, where the other slots' rows already fill the machine. Each case
+    starts with an empty suffix cache: the same answer cached (an earlier test's, or the other case's) is a repeat,
+    which the suffix drafter drafts whole, forced tokens and all."""
     from localspec.core.batch import BatchEngine
     from localspec.core.engine import GenConfig
+    from localspec.drafters.suffix import private_scope, release_scope
     from localspec.server.grammar import constraint_for
 
     e = session.engine
     prompt = e.raw_prompt("Pick a colour as JSON.")
     b = BatchEngine(e, 2)
+    scope = e.suffix_scope
     try:
         drafted = {}
         for name, curve in (("cpu", {1: 1.0, 2: 1.75, 3: 2.25, 4: 2.85, 5: 3.45}),
                             ("gpu", {n: 1.0 + 0.02 * (n - 1) for n in range(1, 10)})):
+            e.suffix_scope = private_scope()
             b._curve = curve
             b._ratios.clear()
             cfg = GenConfig(method="auto", k=3, max_tokens=40, constraint=constraint_for(FORMAT, e.target))
             fin = b.generate_all([(prompt, cfg)])[0]
+            release_scope(e.suffix_scope)
             check(json.loads(fin.text))
             drafted[name] = fin.stats.drafted_by["grammar"]
         assert drafted["cpu"] == 0 and drafted["gpu"] >= 3, drafted
     finally:
+        e.suffix_scope = scope
         b.close()
 
 

@@ -99,7 +99,7 @@ _META = {str: "TEXT", int: "N", float: "X"}
 ModelOpt = _opt("model", "-m", "--model", help="Pair name, GGUF path, hf://OWNER/REPO/FILE.gguf, OWNER/REPO[:QUANT] or ollama:NAME[:TAG].")
 DraftOpt = _opt("draft", "-d", "--draft", help="Draft GGUF path, hub name, or a pair name (its draft).")
 MethodOpt = _opt("method", "--method", help="How to speculate: " + " | ".join(METHODS) + ".")
-KOpt = _opt("draft_tokens", "-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use); default: the pair's k, else 4.")
+KOpt = _opt("draft_tokens", "-k", "--draft-tokens", help="Draft tokens per step (auto: the most it may use; twice that, at most 8, where it repeats earlier text from the suffix cache); default: the pair's k, else 4.")
 TempOpt = _opt("temperature", "-t", "--temperature", "--temp", help="Sampling temperature; 0 = greedy.")
 SystemOpt = _opt("system", "-s", "--system", help="System prompt.")
 MaxTokOpt = _opt("max_tokens", "-n", "--max-tokens", help="Most tokens to generate.")

@@ -16,7 +16,7 @@ class GenConfig:
     """One generation's settings, as values (the front ends resolve flags, files and requests into these)."""
 
     method: str = D.METHOD
-    k: int = D.DRAFT_TOKENS  # draft tokens per step (the most the controller may use in auto)
+    k: int = D.DRAFT_TOKENS  # draft tokens per step (auto: the most it may use; a repeat: policy.repeat_k)
     max_tokens: int = D.MAX_TOKENS
     stop: Sequence[str] = ()
     sampling: SamplingParams = field(default_factory=SamplingParams)

@@ -32,6 +32,8 @@ SWITCH_EVIDENCE = 4.0  # ... judged on an estimate with at least this many (deca
 SWITCH_EVIDENCE_CHEAP = 1.5  # ... where a verify one row wider than the cap allows costs no more
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
 SHADOW_MAX = 16  # a free drafter's shadow proposals waiting for the tokens that judge them (older ones are dropped)
+REPEAT_FACTOR = 2  # an offer that repeats earlier text (Offer.repeat) may be drafted up to this many times k ...
+REPEAT_K_MAX = 8  # ... but not beyond this (the verify curve is calibrated up to k = 8: exactness.COST_MIN_UPTO)
 
 
 class Policy(Protocol):
@@ -202,13 +204,15 @@ class AdaptivePolicy:
         (default: each drafter's own `cost()`). verify_prior: batch size -> T(b)/T(1) as calibrated on this
         machine, used for batch sizes not yet timed. bit_cap (exactness auto): k stays within it, so verify
         batches are bit-exact, until the cost model says a k above it pays by more than SWITCH_MARGIN; then the
-        policy leaves bit exactness for the rest of the answer (`switched` says why) and uses k up to k_max."""
+        policy leaves bit exactness for the rest of the answer (`switched` says why) and uses k up to k_max, and
+        up to `k_repeat` for an offer that repeats earlier text (Offer.repeat)."""
         self.bit_cap = bit_cap if bit_cap is not None and bit_cap < k_max else None
         self.switched: str | None = None
         self.drafters = drafters
         self.cost_prior = {n: d.cost() for n, d in drafters.items() if d.cost() is not None}
         self.cost_prior.update(cost_prior or {})
         self.k_max = max(1, k_max)
+        self.k_repeat = repeat_k(self.k_max)
         st = state if state is not None else {}
         st.setdefault("curve", VerifyCurve())
         st.setdefault("est", {})
@@ -274,10 +278,10 @@ class AdaptivePolicy:
         self._held = {}
         options = []
         for name, drafter in self.drafters.items():
-            offer = drafter.offer(context, self.k_max)
+            offer = drafter.offer(context, self.k_repeat)
             if offer is None or offer.k <= 0:
                 continue  # nothing to offer this step (prompt lookup without a match)
-            k_cap, key = offer.k, offer.key
+            k_cap, key = (offer.k if offer.repeat else min(offer.k, self.k_max)), offer.key
             self._est_key[name] = key
             if self._free(name):
                 shadow = list(drafter.propose(context, k_cap, None, None).tokens)
@@ -426,6 +430,7 @@ class AdaptivePolicy:
     def uncap(self, k: int) -> None:
         self.bit_cap = None
         self.k_max = max(self.k_max, k)
+        self.k_repeat = max(self.k_repeat, self.k_max)
 
     def set_verify_prices(self, ratios: dict[int, float]) -> None:
         self.curve.prior = ratios
@@ -435,6 +440,13 @@ class AdaptivePolicy:
         parts = ", ".join(f"{n} {s:.2f}x@k={k_}" for n, (k_, s) in self.estimates().items())
         head = f"auto -> {name}" + (f" k={k}" if k else "")
         return f"{head} ({parts})" if parts else head
+
+
+def repeat_k(k: int) -> int:
+    """The most tokens `auto` drafts in a step that repeats earlier text, where it may use up to k elsewhere: only a
+    repeat, accepted whole far more often than a copy inside a request, pays for the wider verify on a steep CPU
+    curve (docs/design.md, "Repeats")."""
+    return max(k, min(REPEAT_FACTOR * k, REPEAT_K_MAX))
 
 
 def env_allows_inexact() -> bool:
@@ -455,7 +467,7 @@ def build_policy(cfg, method: str, k: int, drafters: dict[str, Drafter], state: 
     if adaptive:
         bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not env_allows_inexact()) else None
         k_max = cfg.k if bit_cap is not None else k
-        curve = costs(k_max + 1) if costs is not None else None
+        curve = costs(repeat_k(k_max) + 1) if costs is not None else None
         return AdaptivePolicy(drafters, k_max, state, None, curve, bit_cap=bit_cap), method
     if method == "auto":
         heads = [d for d in drafters if d in HEAD_KINDS]

@@ -48,6 +48,9 @@ class Offer:
     k: int
     key: str
     prior: float | None = None  # the acceptance to assume for `key` until measured (None: the drafter's prior_alpha)
+    # True: the proposal continues an earlier request's text that agrees with the context far back (a repeat), and the
+    # adaptive controller may draft it beyond the request's k (core/policy.py, REPEAT_FACTOR)
+    repeat: bool = False
 
 
 class Drafter(ABC):

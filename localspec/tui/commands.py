@@ -20,7 +20,7 @@ from localspec.tui.widgets.transcript import Transcript
 SLASH = [
     ("/help", "", "list the commands and keys"),
     ("/method", "|".join(METHODS), "how to speculate"),
-    ("/k", "N", "draft tokens per step (auto: the most it may use)"),
+    ("/k", "N", "draft tokens per step (auto: the most it may use; 2x, at most 8, repeating earlier text)"),
     ("/exactness", "|".join(EXACTNESS), "bit: identical to plain decoding; lossless: k uncapped (see the README, Exactness)"),
     ("/temp", "F", "temperature (0 = greedy: the same answer every time)"),
     ("/system", "TEXT", "system prompt (empty: none)"),
