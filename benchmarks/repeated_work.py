@@ -117,6 +117,24 @@ def localspec_run(cwd: Path, method: str, target: Path, prompt: str, n: int, thr
     return d["completion_tokens"], secs, {"steps": st.get("steps_by_method"), "exactness": d.get("exactness")}
 
 
+def record(args) -> int:
+    """The series' plain greedy answers as traces (benchmarks/data/repeated_work_traces.json was made so)."""
+    os.environ["LOCALSPEC_SUFFIX_CACHE"] = "0"  # plain answers: nothing to draft from, nothing to add to the user's cache
+    sys.path.insert(0, str(ROOT))
+    from localspec.bench.replay import record as record_traces
+    from localspec.core.engine import Engine
+
+    engine = Engine.load(args.target, n_ctx=4096, threads=args.threads)
+    try:
+        prompts = [{"id": f"{i}-{group}", "prompt": prompt} for i, (group, prompt) in enumerate(series()[:args.limit])]
+        traces = record_traces(engine, prompts, max_tokens=args.n)
+    finally:
+        engine.close()
+    args.record.write_text(json.dumps(traces))
+    print(f"{len(traces)} traces -> {args.record}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", type=Path, default=MODELS / "qwen2.5-coder-1.5b-instruct.gguf")
@@ -127,7 +145,12 @@ def main() -> int:
                     help="an older localspec checkout: its `auto` runs beside (auto-old; again for another: auto-old2)")
     ap.add_argument("--limit", type=int, default=None, help="only the first N prompts (a quick check)")
     ap.add_argument("--json", type=Path, default=None, help="write every run as JSON lines here")
+    ap.add_argument("--record", type=Path, default=None,
+                    help="instead: record the series' greedy answers as replay traces here (ids N-GROUP; replay "
+                         "them with `python -m localspec.bench.replay FILE --series`)")
     args = ap.parse_args()
+    if args.record:
+        return record(args)
     work = Path(tempfile.mkdtemp(prefix="repeated-work-"))
     cfg = {"LOCALSPEC_CONFIG_DIR": str(work / "config")}  # defaults, no user config
     new_env = {**cfg, "LOCALSPEC_CACHE_DIR": str(work / "cache-new")}

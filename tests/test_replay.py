@@ -219,3 +219,24 @@ def test_auto_as_shipped_keeps_near_native_lookup_on_every_curve(curve_name):
     auto = speedups(R.auto(curve, 4, 2), curve, 128)
     best = {i: max(1.0, v) for i, v in speedups(R.lookup(3), curve, 128).items()}
     assert min(auto[i] / best[i] for i in auto) >= 0.95, {i: round(auto[i] / best[i], 3) for i in auto}
+
+
+def test_a_series_caches_each_answer_for_the_requests_after_it(capsys):
+    """--series: the recorded repeated-work series (benchmarks/repeated_work.py) as one user's requests in order. The
+    first request has nothing cached (auto as without a cache); a prompt sent again drafts its earlier answer."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "repeated_work_traces.json"
+    traces = R.load(path)
+    curve = R.CURVES["epyc"]
+    runs = R.series(traces, curve)
+    first = traces[0]["id"]
+    assert runs["auto"][first] == runs["auto, no cache"][first]
+    again = [t["id"] for t in traces if t["id"].endswith("-again")]
+    assert len(again) == 3
+
+    def speedup(name, ids):
+        return (sum(runs[name][i][0] for i in ids) / sum(runs[name][i][1] for i in ids)) / \
+            (sum(runs["plain"][i][0] for i in ids) / sum(runs["plain"][i][1] for i in ids))
+    assert speedup("auto", again) > 1.5 > speedup("auto, no cache", again)
+    assert R.main([str(path), "--series", "--curve", "epyc"]) == 0
+    out = capsys.readouterr().out
+    assert "again" in out and "describe" in out and "auto, no cache" in out

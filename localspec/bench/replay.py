@@ -5,13 +5,17 @@ it the target accepts follow from the recorded tokens alone; a step's cost is T(
 calibration `localspec` measures per machine). Replaying `auto` and fixed settings over the same record compares
 their choices exactly: the same figures every run, where timed runs on a 2-core machine spread by 5-10%.
 
-    python -m localspec.bench.replay TRACES.json [--tokens N] [--curve avx2|avx512|epyc|flat] [--draft-cost C]
+    python -m localspec.bench.replay TRACES.json [--tokens N] [--curve avx2|avx512|epyc|flat] [--draft-cost C] [--series]
 
 Record traces with `record()` (a loaded Engine and prompts): each is {"id", "prompt": [...], "output": [...]}. A
 draft model's proposals depend on the model, not on the recorded tokens alone: `record(..., drafter="draft")` also
 keeps, for every position of the answer, what that drafter proposed there ("proposals": {"draft": [[...], ...]}), and
 replay puts those proposals in fixed-k and `auto` policies beside prompt lookup, each drafted token costing C target
 steps (--draft-cost; default: the trace's "draft_cost", the draft's size over the target's).
+
+--series replays the traces as one user's requests in order: each answer enters the suffix cache of the ones after it
+(a script run again, an agent repeating itself), and `auto` drafts from that cache beside prompt lookup; an id of the
+form N-GROUP is also totalled per GROUP (benchmarks/repeated_work.py records such a series).
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.chain import chained
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
-from localspec.drafters.suffix import SuffixDrafter
+from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
+from localspec.defaults import SUFFIX_CACHE_TOKENS
 
 # T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
 CURVES = {
@@ -115,6 +120,34 @@ def lookup(k: int) -> Callable[[], Policy]:
 def auto(curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2) -> Callable[[], Policy]:
     """`auto` with prompt lookup as `localspec run` builds it (the draft model left out: it never pays on a CPU)."""
     return lambda: AdaptivePolicy({"lookup": PromptLookupDrafter()}, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+
+
+def auto_cached(curve: dict[int, float], docs: Sequence[Doc], k_max: int = 4,
+                bit_cap: int | None = 2) -> Callable[[], Policy]:
+    """`auto` as `localspec run` builds it with the suffix cache: prompt lookup and the suffix drafter over `docs`
+    (earlier requests' prompts and answers)."""
+    def make() -> Policy:
+        drafters = {"lookup": PromptLookupDrafter(),
+                    "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, list(docs)), beside_lookup=True)}
+        return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+
+    return make
+
+
+def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None) -> dict[str, dict[str, list]]:
+    """The traces sent in order by one user: each answer (prompt and output) is cached for the ones after it.
+    Per config ("plain", "lookup k=3", "auto, no cache", "auto") and trace id: [tokens timed, seconds]."""
+    configs = {"plain": lambda docs: plain(), "lookup k=3": lambda docs: lookup(3),
+               "auto, no cache": lambda docs: auto(curve, 4, 2), "auto": lambda docs: auto_cached(curve, docs)}
+    out: dict[str, dict[str, list]] = {name: {} for name in configs}
+    docs: list[Doc] = []
+    for i, tr in enumerate(traces):
+        for name, make in configs.items():
+            r = replay(tr, make(docs), curve, n)
+            timed = len(tr["output"][:n]) - 1
+            out[name][tr["id"]] = [timed, timed / r["rate"] if r["rate"] else 0.0]
+        docs.append(Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]]))
+    return out
 
 
 def _with_trace(make: Callable[[dict], Policy]) -> Callable[[dict], Policy]:
@@ -305,6 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--curve", choices=sorted(CURVES), default="avx2")
     ap.add_argument("--draft-cost", type=float, default=None,
                     help="target steps per token a recorded draft model drafts (default: the trace's draft_cost)")
+    ap.add_argument("--series", action="store_true",
+                    help="the traces as one user's requests in order, each answer cached for the ones after it")
     try:
         a = ap.parse_args(argv)
         if a.tokens is not None and a.tokens < 2:
@@ -316,8 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write(f"error: {exc}\n")
         return 2
     curve = CURVES[a.curve]
-    rows = table(traces, curve, a.tokens, a.draft_cost)
     ids = [tr["id"] for tr in traces]
+    if a.series:
+        return _print_series(series(traces, curve, a.tokens), ids)
+    rows = table(traces, curve, a.tokens, a.draft_cost)
     width = max(18, *(len(name) + 1 for name in rows))
     try:
         print(f"{'':{width}}" + "".join(f"{i[:10]:>11}" for i in ids) + "    geomean")
@@ -331,6 +368,35 @@ def main(argv: Sequence[str] | None = None) -> int:
             best = max(bound, key=bound.get)
             print(f"{name}: acceptance per drafted token {al:.3f}; Leviathan bound at draft cost {c:.3f}: "
                   + ", ".join(f"k={k} {v:.3f}" for k, v in bound.items()) + f" (best k={best})")
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader stopped reading, which is not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+def _print_series(runs: dict[str, dict[str, list]], ids: list[str]) -> int:
+    """Speedup over plain per trace, per group (ids N-GROUP) and over the whole series: tokens over seconds."""
+    groups: dict[str, list[str]] = {}
+    for i in ids:
+        head, _, group = i.partition("-")
+        if head.isdigit() and group:
+            groups.setdefault(group, []).append(i)
+    groups["all"] = ids
+
+    def rate(name: str, members: list[str]) -> float:
+        tokens = sum(runs[name][i][0] for i in members)
+        secs = sum(runs[name][i][1] for i in members)
+        return tokens / secs if secs else 0.0
+
+    width = max(16, *(len(name) + 1 for name in runs))
+    try:
+        print(f"{'':{width}}" + "".join(f"{i[:10]:>11}" for i in ids))
+        for name in runs:
+            print(f"{name:{width}}" + "".join(f"{rate(name, [i]) / rate('plain', [i]):11.3f}" for i in ids))
+        print()
+        print(f"{'':{width}}" + "".join(f"{g[:10]:>11}" for g in groups))
+        for name in runs:
+            print(f"{name:{width}}" + "".join(f"{rate(name, m) / rate('plain', m):11.3f}" for m in groups.values()))
         sys.stdout.flush()
     except BrokenPipeError:  # `| head`: the reader stopped reading, which is not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
