@@ -98,6 +98,23 @@ def test_the_longest_match_decides_and_the_offer_says_how_far_it_reaches():
     assert d.match(short, 3) == ([2, 2, 2], 2) and d.offer(short, 3).key == "suffix@2-3"
 
 
+def test_only_a_long_match_into_an_earlier_request_is_offered_as_a_repeat():
+    """Offer.repeat (drafted beyond k by auto): a continuation of an earlier request reaching 12+ tokens back; not a
+    shorter one, and not the request's own text however far back it agrees."""
+    a = list(range(10, 24))
+    d = S.SuffixDrafter(S.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1])]))
+    d.begin(a)
+    assert d.offer(a, 3).repeat
+    short = [5] + a[-4:]
+    d.begin(short)
+    assert d.offer(short, 3).key == "suffix@4-11" and not d.offer(short, 3).repeat
+    own = a + [1, 1, 1] + a  # the request repeats itself: nothing earlier to match
+    alone = S.SuffixDrafter(S.SuffixCorpus(10_000, []))
+    alone.begin(own)
+    off = alone.offer(own, 3)
+    assert off is not None and off.key == "suffix@12+" and not off.repeat
+
+
 def test_the_static_corpus_drafts_only_where_this_request_and_earlier_ones_match_nothing():
     p = [50, 51, 52, 53, 54, 55, 56, 57, 58]
     static = S.flat_index([doc(0, [7, 7] + p + [9, 9, 9]), doc(1, [60, 61, 62, 5, 5])])

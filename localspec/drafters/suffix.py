@@ -48,9 +48,9 @@ _MASK = (1 << 64) - 1
 # requests often stand on shared boilerplate (the chat template, a code preamble), so they start lower than lookup's:
 # with lookup's priors the replay drafted them at a loss (docs/design.md, "By the reach of its match", has the figures).
 REACH_BANDS = ((0, 3, "2-3", 0.3), (4, 11, "4-11", 0.4), (12, DEPTH, "12+", 0.9))
-# a continuation whose match reaches this far back is a repeat of earlier text, offered beyond the request's k
-# (Offer.repeat): a repeated answer drafted 4 tokens a step was bound near 1.45x plain on a 2-core CPU, where a 5-row
-# verify costs 3.45 one-token steps and a 9-row one 5.05 (docs/design.md, "Repeats")
+# a continuation of an earlier request whose match reaches this far back is a repeat of that text, offered beyond the
+# request's k (Offer.repeat): accepted whole far more often than a copy inside one request, it pays for a wider verify
+# where the copy does not (docs/design.md, "Repeats", has the figures)
 REPEAT_REACH = 12
 
 
@@ -345,17 +345,23 @@ class SuffixDrafter(Drafter):
     # ------------------------------------------------------------ matching
     def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
         """(up to k proposed tokens, how far back the match reaches); ([], 0) without a confident match."""
+        tokens, reach, _ = self._match(context, k)
+        return tokens, reach
+
+    def _match(self, context: Sequence[int], k: int) -> tuple[list[int], int, bool]:
+        """match(), and whether an occurrence it continues is in an earlier request (not this one's own text)."""
         self.begin(context)  # the same list as the generation's: a length check; else a continuation or a new one
         version = self.corpus.version if self.corpus is not None else 0
         memo = self._memo
         if memo is not None and memo[0] == (len(context), version) and (memo[1] >= k or len(memo[2]) < memo[1]):
-            return memo[2][:k], memo[3]
+            return memo[2][:k], memo[3], memo[4]
         reach, cands = self._candidates(context)
         if self.beside_lookup and (reach < CORPUS_REACH_MIN or all(c[2] >= _LIVE for c in cands)):
             cands = []
         tokens = self._continue(cands, k) if cands else []
-        self._memo = ((len(context), version), k, tokens, reach)
-        return tokens, reach
+        earlier = any(c[2] < _LIVE for c in cands)
+        self._memo = ((len(context), version), k, tokens, reach, earlier)
+        return tokens, reach, earlier
 
     def continuation(self, context: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that may follow `context`: the request's context (indexed) followed by tokens another
@@ -429,11 +435,11 @@ class SuffixDrafter(Drafter):
         "suffix@2-3", "suffix@4-11", "suffix@12+", as prompt lookup's)."""
         if k <= 0:
             return None
-        tokens, reach = self.match(context, k)
+        tokens, reach, earlier = self._match(context, k)
         if not tokens:
             return None
         band, prior = next((b, p) for lo, hi, b, p in REACH_BANDS if lo <= reach <= hi)
-        return Offer(len(tokens), f"{self.name}@{band}", prior, repeat=reach >= REPEAT_REACH)
+        return Offer(len(tokens), f"{self.name}@{band}", prior, repeat=earlier and reach >= REPEAT_REACH)
 
     def cost(self) -> float:
         return 0.0  # dictionary reads and a short walk, next to nothing beside a target step
