@@ -420,14 +420,9 @@ TRACES_FILE = ROOT / "benchmarks" / "data" / "qwen_coder_traces.json"
 def auto_with_suffix(curve, corpus_docs=()):
     """`auto` as `localspec run` builds it on a CPU: prompt lookup and the suffix drafter (over a corpus of
     `corpus_docs`), bit cap k<=2 up to k=4."""
-    from localspec.core.policy import AdaptivePolicy
-    from localspec.drafters.prompt_lookup import PromptLookupDrafter
+    from localspec.bench import replay as R
 
-    def make():
-        drafters = {"lookup": PromptLookupDrafter(),
-                    "suffix": S.SuffixDrafter(S.SuffixCorpus(100_000, corpus_docs), beside_lookup=True)}
-        return AdaptivePolicy(drafters, 4, {}, None, dict(curve), bit_cap=2)
-    return make
+    return R.auto_cached(curve, corpus_docs, 4, 2)
 
 
 @pytest.mark.parametrize("curve", ["avx2", "avx512", "epyc"])

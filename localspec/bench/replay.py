@@ -142,9 +142,9 @@ def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None
     out: dict[str, dict[str, list]] = {name: {} for name in configs}
     docs: list[Doc] = []
     for i, tr in enumerate(traces):
+        timed = len(tr["output"][:n]) - 1
         for name, make in configs.items():
             r = replay(tr, make(docs), curve, n)
-            timed = len(tr["output"][:n]) - 1
             out[name][tr["id"]] = [timed, timed / r["rate"] if r["rate"] else 0.0]
         docs.append(Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]]))
     return out
