@@ -122,3 +122,67 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
     monkeypatch.setattr(X, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     ratio = X._measure_costs(Drifting(), 9)
     assert ratio == pytest.approx({b: cost[b] for b in range(1, 10)}, rel=0.02)
+
+
+def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_path, monkeypatch):
+    """One calibration, taken in a few seconds, read 1.55 one-token decodes for 2 rows where the same machine's
+    verify steps then cost 1.7-1.8: each generation's judgements of the curve are kept with it (the latest
+    LIVE_KEEP), and its extra cost T(b)/T(1) - 1 is scaled by their median once they are LIVE_MIN and leave the
+    scale by more than LIVE_BAND. The next run, and doctor, price by the scaled curve; a damaged record is ignored."""
+    from localspec.core import exactness as X
+    from localspec.core.policy import LIVE_KEEP, LIVE_MIN
+    from localspec.llama.model import Model
+    from localspec.store.cachefile import read_json, write_json
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    measured = {b: 1.0 + 0.5 * (b - 1) for b in range(1, 10)}
+    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: dict(measured))
+    with Model(target_path, n_ctx=512) as m:
+        assert X.verify_costs(m, 9) == measured and X.cost_scale(m) == 1.0
+        assert X.note_verify_steps(m, [1.4] * (LIVE_MIN - 1), 1.0) == 1.0  # too few yet
+        assert X.verify_costs(m, 9) == measured
+        assert X.note_verify_steps(m, [1.4], 1.0) == pytest.approx(1.4)
+        scaled = X.verify_costs(m, 9)
+        assert scaled[3] == pytest.approx(1.0 + 1.0 * 1.4) and scaled[1] == 1.0
+        # judgements made against the scaled curve agree with it: nothing moves, the record keeps the latest
+        assert X.note_verify_steps(m, [1.05] * LIVE_KEEP, 1.4) == pytest.approx(1.4)
+        assert X.verify_costs(m, 9) == scaled
+        # the machine got faster: relative to the scaled curve its steps cost 0.7 of it
+        assert X.note_verify_steps(m, [0.7] * LIVE_KEEP, 1.4) == pytest.approx(0.98)
+        mine = [c for c in X.cached_costs() if c["model"] == str(target_path.resolve())]
+        assert mine[0]["measured"] == measured and mine[0]["scale"] == pytest.approx(0.98)
+        assert mine[0]["live_steps"] == LIVE_KEEP and mine[0]["ratio"][2] == pytest.approx(1.49)
+        db = read_json(X.CACHE_FILE)
+        key = next(k for k in db if k.startswith(X.COST_KEY))
+        db[key].update(scale="fast", live={"a": 1})
+        write_json(X.CACHE_FILE, db)
+        assert X.verify_costs(m, 9) == measured
+        assert X.note_verify_steps(m, [1.0], 1.0) == 1.0
+
+
+def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp_path, monkeypatch):
+    """The engine keeps each adaptive generation's judgements with the calibration and prices the next answer by
+    the calibration as now scaled (a chat's controller keeps its curve across answers: it is reset to it)."""
+    from types import SimpleNamespace
+
+    from localspec.core import exactness as X
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.core.policy import LIVE_MIN, VerifyCurve
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, upto + 1)})
+    e = Engine.load(target_path, n_ctx=512)
+    try:
+        seen = []
+        real = e.note_verify_steps
+        monkeypatch.setattr(e, "note_verify_steps", lambda policy: seen.append(policy) or real(policy))
+        e.complete(e.raw_prompt("the cat sat on the mat. the cat sat on the"),
+                   GenConfig(method="lookup", k=3, max_tokens=8, adaptive=True))
+        assert len(seen) == 1 and isinstance(seen[0].curve, VerifyCurve)
+        curve = VerifyCurve(prior=dict(e.verify_costs(9)), scale=1.5, live=[1.5] * LIVE_MIN)
+        e.note_verify_steps(SimpleNamespace(curve=curve))
+        assert X.cost_scale(e.target) == pytest.approx(1.5)
+        assert e.verify_costs(9)[3] == pytest.approx(2.5) and curve.prior == e.verify_costs(9)
+        assert curve.scale == 1.0 and curve.live == []  # the scale now lives in the calibration it is priced by
+    finally:
+        e.close()

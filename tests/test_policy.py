@@ -311,3 +311,31 @@ def test_a_deep_position_ages_while_position_zero_is_judged():
     assert copy_deep > 0.95
     assert a0 < 0.3
     assert a2 < 0.75  # on its way back to its prior (position 1's figure); left alone, it kept the copy's 0.97
+
+
+def test_a_calibration_flatter_than_the_machine_is_corrected_by_the_runs_own_verify_steps():
+    """One calibration, taken in a few seconds, can read a verify batch's extra cost well under what the machine then
+    pays (measured: 1.55 one-token decodes for 2 rows, where the run's steps paid 1.7-1.8). On such a curve a
+    prose match drafted at acceptance 0.55 looks like a gain and is a loss: once the run's own verify steps show the
+    extra cost at twice the calibrated one, the controller stops drafting them. Within the live band the scale stays
+    put (test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated)."""
+    calibrated = {b: 1 + 0.3 * (b - 1) for b in range(1, 10)}
+    machine = lambda b: T1 * (1 + 0.6 * (b - 1))  # noqa: E731
+
+    class Lookup(FakeLookup):
+        def match(self, context, k):
+            self.n = getattr(self, "n", 0) + 1
+            return ([7] * k, 4) if self.n % 3 else ([], 0)  # now and then no match: a plain step
+
+    def run(prior):
+        p = AdaptivePolicy({"lookup": Lookup()}, k_max=4, cost_prior={"lookup": 0.0}, verify_prior=prior)
+        return p, simulate(p, lambda s: 0.55, 0.0, machine, 300, np.random.default_rng(4), name="lookup")
+
+    p, ks = run(calibrated)
+    right, ks_right = run({b: machine(b) / T1 for b in range(1, 10)})
+    drafted = lambda ks: np.mean([k > 0 for k in ks])  # noqa: E731
+    assert drafted(ks[:12]) > 0.5  # on the calibration as taken, drafting looks like a gain
+    assert p.curve.scale == pytest.approx(2.0, rel=0.05) and right.curve.scale == 1.0
+    assert p.curve.cost(3) == pytest.approx(machine(3), rel=0.05)
+    # ... and once the steps showed what it costs, it drafts as rarely as on the right curve (a probe now and then)
+    assert drafted(ks[100:]) <= drafted(ks_right[100:]) + 0.03 < 0.3

@@ -37,7 +37,9 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     ]
     report["verify_costs"] = [  # what a verify batch of b rows costs in one-token decodes (the controller's start)
         {"model": c["model"], "threads": c["threads"], "gpu_layers": c["gpu_layers"],
-         "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())}}
+         "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())},
+         "measured": {str(b): round(v, 3) for b, v in sorted(c["measured"].items())},
+         "scale": round(c["scale"], 3), "live_steps": c["live_steps"]}
         for c in cached_costs()
     ]
     from localspec.llama.ext import heads_available
@@ -70,8 +72,11 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
             f"max |Δlogit| per batch size {dev}")
     for c in report["verify_costs"]:
         costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
+        live = (f"; the measured extra cost x {c['scale']:.2f}, from {c['live_steps']} verify steps of earlier "
+                "answers" if c["scale"] != 1.0 else f"; as measured, {c['live_steps']} verify steps of earlier answers "
+                "agree" if c["live_steps"] else "")
         say(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
-            f"one-token decodes per batch size {costs}")
+            f"one-token decodes per batch size {costs}{live}")
     for h, state in report["draft_heads"].items():
         say(f"draft head {h}: {state}")
     for n in notes:

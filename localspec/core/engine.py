@@ -52,6 +52,7 @@ class Engine:
         self.dropped_draft: str | None = None
         self._probe: tuple[int, int] | None = None  # (upto, exact batch): one exactness probe per target
         self._costs: dict[int, float] = {}  # the verify-cost calibration, once read (not a file read per answer)
+        self._cost_scale = 1.0  # ... and the scale its live judgements had put on it then (exactness.cost_scale)
         self.last_stats: Stats | None = None
         self._assembler: TextAssembler | None = None
         self._template_source = chat_template
@@ -286,10 +287,28 @@ class Engine:
         if knobs().no_cost_calibration:
             return None
         if len(self._costs) < upto:
-            from localspec.core.exactness import verify_costs
+            from localspec.core.exactness import cost_scale, verify_costs
 
             self._costs = verify_costs(self.target, upto)
+            self._cost_scale = cost_scale(self.target)
         return self._costs
+
+    def note_verify_steps(self, policy) -> None:
+        """After a generation: its verify steps' judgements of the calibrated curve (policy.VerifyCurve.live) are kept
+        with the calibration, whose scale follows them (exactness.note_verify_steps); the curve, which a chat's
+        next answer reuses, is priced by the calibration as now scaled."""
+        curve = getattr(policy, "curve", None)
+        if curve is None or not curve.live or not self._costs or knobs().no_cost_calibration:
+            return
+        from localspec.core.exactness import note_verify_steps, verify_costs
+
+        scale = note_verify_steps(self.target, list(curve.live), self._cost_scale)
+        curve.live.clear()
+        curve.scale = 1.0
+        if scale is not None:
+            self._costs = verify_costs(self.target, len(self._costs))
+            self._cost_scale = scale
+        curve.prior = dict(self._costs)
 
     def exact_k(self, k: int, cancel: threading.Event | None = None) -> int:
         """The largest k <= requested whose verify batch (k + 1 rows) is bit-identical to one-token decoding.

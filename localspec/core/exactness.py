@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from localspec.core.policy import LIVE_BAND, LIVE_KEEP, LIVE_MIN, LIVE_SCALE
 from localspec.knobs import knobs
 from localspec.store.cachefile import read_json, update_json, write_json
 
@@ -218,20 +219,63 @@ def _measure_costs(model, upto: int) -> dict[int, float]:
 
 def verify_costs(model, upto: int) -> dict[int, float]:
     """What a verify batch of b rows costs in one-token decodes, for b in 1..max(upto, COST_MIN_UPTO), measured once
-    per model file, build, threads, GPU layers and KV type (cached beside the probe). The adaptive controller
+    per model file, build, threads, GPU layers and KV type (cached beside the probe), its extra cost T(b)/T(1) - 1
+    scaled by what generations on this machine measured since (note_verify_steps). The adaptive controller
     starts from it instead of a guessed slope, since the curve is not linear (where ggml repacks weights, 4 rows can
     cost less than 3; on a GPU 9 rows cost about one)."""
     upto = max(upto, COST_MIN_UPTO)
     key = COST_KEY + _key(model, 0)
     entry = read_json(CACHE_FILE).get(key)
     if isinstance(entry, dict) and isinstance(entry.get("ratio"), dict) and len(entry["ratio"]) >= upto:
-        return {int(b): float(v) for b, v in entry["ratio"].items()}
-    ratio = _measure_costs(model, upto)
-    db = read_json(CACHE_FILE)
-    db[key] = {"ratio": {str(b): v for b, v in ratio.items()}, "model": str(model.path.resolve()),
-               "threads": model.n_threads, "gpu_layers": model.n_gpu_layers}
-    write_json(CACHE_FILE, db)
-    return ratio
+        ratio = {int(b): float(v) for b, v in entry["ratio"].items()}
+    else:
+        ratio = _measure_costs(model, upto)
+        entry = {"ratio": {str(b): v for b, v in ratio.items()}, "model": str(model.path.resolve()),
+                 "threads": model.n_threads, "gpu_layers": model.n_gpu_layers}
+        update_json(CACHE_FILE, lambda db: db.__setitem__(key, entry))
+    return _scaled(ratio, _scale_of(entry))
+
+
+def _scale_of(entry: dict) -> float:
+    s = entry.get("scale", 1.0)
+    return float(s) if isinstance(s, (int, float)) and LIVE_SCALE[0] <= s <= LIVE_SCALE[1] else 1.0
+
+
+def _scaled(ratio: dict[int, float], scale: float) -> dict[int, float]:
+    return {b: 1.0 + (v - 1.0) * scale for b, v in ratio.items()}
+
+
+def note_verify_steps(model, judgements: list[float], used_scale: float) -> float | None:
+    """Keep a generation's live judgements of the calibrated curve (policy.VerifyCurve.live: each verify step's
+    extra cost relative to the curve it was priced by, which had `used_scale` applied) with the calibration, the
+    latest LIVE_KEEP of them; the calibration's scale follows their median as the policy's does (LIVE_BAND), so
+    the next run starts from what this machine did, not from one measurement. Returns the scale now stored (None:
+    no calibration to judge)."""
+    key = COST_KEY + _key(model, 0)
+    out: list[float | None] = [None]
+
+    def fold(db: dict) -> None:
+        entry = db.get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("ratio"), dict):
+            return
+        scale = _scale_of(entry)
+        kept = [float(g) for g in entry.get("live", []) if isinstance(g, (int, float))]
+        kept = (kept + [g * used_scale for g in judgements])[-LIVE_KEEP:]
+        entry["live"] = kept
+        if len(kept) >= LIVE_MIN:
+            m = statistics.median(kept)
+            if abs(m / scale - 1.0) > LIVE_BAND:
+                scale = min(max(m, LIVE_SCALE[0]), LIVE_SCALE[1])
+        entry["scale"] = out[0] = scale
+
+    update_json(CACHE_FILE, fold)
+    return out[0]
+
+
+def cost_scale(model) -> float:
+    """The scale the live verify steps put on the model's cached calibration (1.0 where none)."""
+    entry = read_json(CACHE_FILE).get(COST_KEY + _key(model, 0))
+    return _scale_of(entry) if isinstance(entry, dict) else 1.0
 
 
 def verify_costs_cached(model, upto: int) -> bool:
@@ -242,12 +286,17 @@ def verify_costs_cached(model, upto: int) -> bool:
 
 
 def cached_costs() -> list[dict]:
-    """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b."""
+    """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b as
+    the controller prices it (verify_costs) and as measured, the scale the live verify steps put on it and how many
+    of them are kept."""
     out = []
     for key, entry in read_json(CACHE_FILE).items():
         if key.startswith(COST_KEY) and isinstance(entry, dict) and isinstance(entry.get("ratio"), dict):
+            measured = {int(b): float(v) for b, v in entry["ratio"].items()}
+            live = entry.get("live")
             out.append({"model": entry.get("model"), "threads": entry.get("threads"), "gpu_layers": entry.get("gpu_layers"),
-                        "ratio": {int(b): float(v) for b, v in entry["ratio"].items()}})
+                        "ratio": _scaled(measured, _scale_of(entry)), "measured": measured, "scale": _scale_of(entry),
+                        "live_steps": len(live) if isinstance(live, list) else 0})
     return out
 
 

@@ -11,6 +11,7 @@ that loses is not used, but is probed now and then so it can win back.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
@@ -34,6 +35,16 @@ OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b on
 SHADOW_MAX = 16  # a free drafter's shadow proposals waiting for the tokens that judge them (older ones are dropped)
 REPEAT_FACTOR = 2  # an offer that repeats earlier text (Offer.repeat) may be drafted up to this many times k ...
 REPEAT_K_MAX = 8  # ... but not beyond this (the verify curve is calibrated up to k = 8: exactness.COST_MIN_UPTO)
+# The calibrated curve is checked against the run's own verify timings: one calibration, taken in a few seconds, read
+# 10-20% off what the same machine did minutes later, enough to move auto's choices across plain's line where a
+# drafted token barely pays (docs/design.md, "The verify curve")
+LIVE_KEEP = 32  # the latest verify steps kept as live judgements of the calibrated curve
+LIVE_MIN = 10  # ... at least this many before they may rescale it
+LIVE_BAND = 0.2  # the scale moves only when their median leaves the current scale by more than this (timing noise
+#                   of a busy machine, 10-30% per step, must not move choices run to run)
+LIVE_ONES = 3  # ... judged only once this many one-token steps were timed (what a step's extra cost is relative to)
+LIVE_SCALE = (0.5, 2.5)  # the scale stays within these
+LIVE_ROW_MIN = 0.05  # a batch whose calibrated extra cost T(b)/T(1) - 1 is below this (a GPU) judges nothing
 
 
 class Policy(Protocol):
@@ -142,6 +153,9 @@ class DrafterEstimate:
 class VerifyCurve:
     t: dict[int, float] = field(default_factory=dict)  # batch size -> seconds (EMA)
     prior: dict[int, float] = field(default_factory=dict)  # batch size -> T(b)/T(1) measured once (exactness.verify_costs)
+    scale: float = 1.0  # what the live timings say the calibrated extra cost T(b)/T(1) - 1 is to be multiplied by
+    live: list[float] = field(default_factory=list)  # each verify step's (T(b)/T(1) - 1) / (prior(b) - 1)
+    ones: list[float] = field(default_factory=list)  # the latest one-token steps' seconds, what `live` is judged by
 
     def observe(self, b: int, seconds: float) -> None:
         """Fold in one timing. A busy moment (another process, a first-use allocation) only ever adds time, so a
@@ -151,15 +165,42 @@ class VerifyCurve:
             seconds = min(seconds, OUTLIER * old)
         elif b > 1 and self.t.get(1):
             seconds = min(seconds, b * self.t[1])
+        self._judge(b, seconds)
         self.t[b] = seconds if old is None else 0.8 * old + 0.2 * seconds
+
+    def _judge(self, b: int, seconds: float) -> None:
+        """A verify step of b > 1 rows against the calibrated curve: its extra cost over a one-token step (the median
+        of the latest ones) relative to the calibrated one. The scale follows their median when it leaves the scale by more than
+        LIVE_BAND: a calibration taken at a fast or slow moment is corrected by the steps the run actually paid for,
+        while step-to-step noise leaves every choice where it was."""
+        if b == 1:
+            self.ones.append(seconds)
+            del self.ones[:-LIVE_KEEP]
+            return
+        c = self.prior.get(b)
+        if len(self.ones) < LIVE_ONES or c is None or c - 1.0 < LIVE_ROW_MIN:
+            return
+        t1 = statistics.median(self.ones)  # not the EMA: it stands still through a stretch of drafted steps
+        self.live.append((seconds / t1 - 1.0) / (c - 1.0))
+        del self.live[:-LIVE_KEEP]
+        if len(self.live) >= LIVE_MIN:
+            m = statistics.median(self.live)
+            if abs(m / self.scale - 1.0) > LIVE_BAND:
+                self.scale = min(max(m, LIVE_SCALE[0]), LIVE_SCALE[1])
+
+    def ratio(self, b: int) -> float | None:
+        """T(b)/T(1) on the calibrated curve as the live timings scale it (None where not calibrated)."""
+        c = self.prior.get(b)
+        return None if c is None else 1.0 + (c - 1.0) * self.scale
 
     def cost(self, b: int) -> float | None:
         """Seconds for a verify batch of b rows. Where the curve was calibrated on this machine, T(1) (live) x the
-        calibrated T(b)/T(1): live timings of bigger batches swing by 10-30% on a busy machine, and choices judged on
-        them swung run to run on the same prompt; with the ratios fixed, only the acceptances decide."""
+        calibrated T(b)/T(1), its extra cost scaled by what the run's own verify steps showed (ratio): live timings of
+        bigger batches swing by 10-30% on a busy machine, and choices judged on each of them swung run to run on the
+        same prompt; with the ratios fixed until the steps' median disagrees, only the acceptances decide."""
         t1 = self.t.get(1)
         if t1 is not None and b in self.prior:
-            return t1 * self.prior[b]
+            return t1 * self.ratio(b)
         if b in self.t:
             return self.t[b]
         if t1 is None:

@@ -142,6 +142,7 @@ class SoloEngine(BatchEngine):
             return
         self.runs[0] = None
         run.settle()
+        self.engine.note_verify_steps(run.policy)
         (t0, d0) = run.roll0
         run.stats.add_rollback(t0, rollback_counters_of(self.target), d0, rollback_counters_of(self.engine.draft))
 
