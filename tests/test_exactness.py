@@ -127,10 +127,10 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
 def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_path, monkeypatch):
     """One calibration, taken in a few seconds, read 1.55 one-token decodes for 2 rows where the same machine's
     verify steps then cost 1.7-1.8: each generation's judgements of the curve are kept with it (the latest
-    LIVE_KEEP), and its extra cost T(b)/T(1) - 1 is scaled by their median once they are LIVE_MIN and leave the
-    scale by more than LIVE_BAND. The next run, and doctor, price by the scaled curve; a damaged record is ignored."""
+    LIVE_KEPT), and its extra cost T(b)/T(1) - 1 is scaled by their median once they are LIVE_MIN and leave the
+    scale by more than LIVE_KEPT_BAND. The next run, and doctor, price by the scaled curve; a damaged record is ignored."""
     from localspec.core import exactness as X
-    from localspec.core.policy import LIVE_KEEP, LIVE_MIN
+    from localspec.core.policy import LIVE_KEPT, LIVE_MIN
     from localspec.llama.model import Model
     from localspec.store.cachefile import read_json, write_json
 
@@ -145,19 +145,39 @@ def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_
         scaled = X.verify_costs(m, 9)
         assert scaled[3] == pytest.approx(1.0 + 1.0 * 1.4) and scaled[1] == 1.0
         # judgements made against the scaled curve agree with it: nothing moves, the record keeps the latest
-        assert X.note_verify_steps(m, [1.05] * LIVE_KEEP, 1.4) == pytest.approx(1.4)
+        assert X.note_verify_steps(m, [1.03] * LIVE_KEPT, 1.4) == pytest.approx(1.4)
         assert X.verify_costs(m, 9) == scaled
         # the machine got faster: relative to the scaled curve its steps cost 0.7 of it
-        assert X.note_verify_steps(m, [0.7] * LIVE_KEEP, 1.4) == pytest.approx(0.98)
+        assert X.note_verify_steps(m, [0.7] * LIVE_KEPT, 1.4) == pytest.approx(0.98)
         mine = [c for c in X.cached_costs() if c["model"] == str(target_path.resolve())]
         assert mine[0]["measured"] == measured and mine[0]["scale"] == pytest.approx(0.98)
-        assert mine[0]["live_steps"] == LIVE_KEEP and mine[0]["ratio"][2] == pytest.approx(1.49)
+        assert mine[0]["live_steps"] == LIVE_KEPT and mine[0]["ratio"][2] == pytest.approx(1.49)
         db = read_json(X.CACHE_FILE)
         key = next(k for k in db if k.startswith(X.COST_KEY))
         db[key].update(scale="fast", live={"a": 1})
         write_json(X.CACHE_FILE, db)
         assert X.verify_costs(m, 9) == measured
         assert X.note_verify_steps(m, [1.0], 1.0) == 1.0
+
+
+def test_the_stored_scale_does_not_stay_away_from_the_evidence(target_path, tmp_path, monkeypatch):
+    """A stored scale set by a slow stretch must come back when the judgements kept since say otherwise: the median
+    of the kept judgements decides, within a band narrow enough that the scale never sits far from them (a 20% band
+    held a scale of 1.53 over judgements whose median was 1.30, and `auto` drafted less than the machine paid for)."""
+    from localspec.core import exactness as X
+    from localspec.core.policy import LIVE_KEPT, LIVE_KEPT_BAND
+    from localspec.llama.model import Model
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, 10)})
+    with Model(target_path, n_ctx=512) as m:
+        X.verify_costs(m, 9)
+        assert X.note_verify_steps(m, [1.53] * LIVE_KEPT, 1.0) == pytest.approx(1.53)  # a slow stretch
+        # the answers after it: steps that cost 1.30 of the calibrated extra cost, judged against 1.53
+        assert X.note_verify_steps(m, [1.30 / 1.53] * LIVE_KEPT, 1.53) == pytest.approx(1.30)
+        # noise within the band moves nothing
+        wobble = 1.0 + LIVE_KEPT_BAND / 2
+        assert X.note_verify_steps(m, [wobble] * LIVE_KEPT, 1.30) == pytest.approx(1.30)
 
 
 def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp_path, monkeypatch):

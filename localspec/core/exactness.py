@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from localspec.core.policy import LIVE_BAND, LIVE_KEEP, LIVE_MIN, LIVE_SCALE
+from localspec.core.policy import LIVE_KEPT, LIVE_KEPT_BAND, LIVE_MIN, LIVE_SCALE
 from localspec.knobs import knobs
 from localspec.store.cachefile import read_json, update_json, write_json
 
@@ -248,9 +248,9 @@ def _scaled(ratio: dict[int, float], scale: float) -> dict[int, float]:
 def note_verify_steps(model, judgements: list[float], used_scale: float) -> float | None:
     """Keep a generation's live judgements of the calibrated curve (policy.VerifyCurve.live: each verify step's
     extra cost relative to the curve it was priced by, which had `used_scale` applied) with the calibration, the
-    latest LIVE_KEEP of them; the calibration's scale follows their median as the policy's does (LIVE_BAND), so
-    the next run starts from what this machine did, not from one measurement. Returns the scale now stored (None:
-    no calibration to judge)."""
+    latest LIVE_KEPT of them; the calibration's scale follows their median when it leaves the scale by more than
+    LIVE_KEPT_BAND, so the next run starts from what this machine did, not from one measurement. Returns the scale
+    now stored (None: no calibration to judge)."""
     key = COST_KEY + _key(model, 0)
     out: list[float | None] = [None]
 
@@ -260,11 +260,11 @@ def note_verify_steps(model, judgements: list[float], used_scale: float) -> floa
             return
         scale = _scale_of(entry)
         kept = [float(g) for g in entry.get("live", []) if isinstance(g, (int, float))]
-        kept = (kept + [g * used_scale for g in judgements])[-LIVE_KEEP:]
+        kept = (kept + [g * used_scale for g in judgements])[-LIVE_KEPT:]
         entry["live"] = kept
         if len(kept) >= LIVE_MIN:
             m = statistics.median(kept)
-            if abs(m / scale - 1.0) > LIVE_BAND:
+            if abs(m / scale - 1.0) > LIVE_KEPT_BAND:
                 scale = min(max(m, LIVE_SCALE[0]), LIVE_SCALE[1])
         entry["scale"] = out[0] = scale
 

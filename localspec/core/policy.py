@@ -44,6 +44,11 @@ LIVE_BAND = 0.2  # the scale moves only when their median leaves the current sca
 #                   of a busy machine, 10-30% per step, must not move choices run to run)
 LIVE_ONES = 3  # ... judged only once this many one-token steps were timed (what a step's extra cost is relative to)
 LIVE_SCALE = (0.5, 2.5)  # the scale stays within these
+# Kept with the calibration across runs, the judgements are many: their median moves by 2-3% from answer to answer on
+# timing noise, so the stored scale follows it within a narrow band. A 20% band (the in-run one) held a stored scale
+# of 1.53 over judgements whose median was 1.30: wherever one slow stretch had put it, for good.
+LIVE_KEPT = 96  # the latest judgements kept with the calibration
+LIVE_KEPT_BAND = 0.05  # the stored scale moves when their median leaves it by more than this
 LIVE_ROW_MIN = 0.05  # a batch whose calibrated extra cost T(b)/T(1) - 1 is below this (a GPU) judges nothing
 
 
