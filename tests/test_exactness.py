@@ -206,3 +206,39 @@ def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp
         assert curve.scale == 1.0 and curve.live == []  # the scale now lives in the calibration it is priced by
     finally:
         e.close()
+
+
+def test_doctor_shows_the_calibrations_that_apply_to_the_files_as_they_are(target_path, tmp_path, monkeypatch):
+    """A probe and a verify-cost calibration belong to one version of a model file and one llama.cpp build. Once the
+    file is replaced at the same path (another modification time), its old entries are never used again: doctor
+    shows the entries the current file would be priced by, and counts the others, instead of listing an earlier
+    version's curve and scale under the same file name."""
+    import os
+    import shutil
+
+    from localspec.core import exactness as X
+    from localspec.llama.model import Model
+    from tests.helpers import cli
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(cache))
+    f = tmp_path / "pair.gguf"
+    shutil.copy(target_path, f)
+    for slope in (0.5, 0.7):  # the first version, then the same path replaced by a file measured otherwise
+        if slope == 0.7:
+            st = f.stat()
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        monkeypatch.setattr(X, "_measure_costs", lambda m, upto, s=slope: {b: 1.0 + s * (b - 1) for b in range(1, 10)})
+        with Model(f, n_ctx=512) as m:
+            X.verify_costs(m, 9)
+            X.max_exact_batch(m, 3)
+    costs = [c for c in X.cached_costs() if c["model"] == str(f.resolve())]
+    assert sorted((c["ratio"][2], c["current"]) for c in costs) == [(1.5, False), (1.7, True)]
+    probes = [p for p in X.cached_probes() if p["model"] == str(f.resolve())]
+    assert sorted(p["current"] for p in probes) == [False, True]
+    r = cli(["doctor"], env={"LOCALSPEC_CACHE_DIR": str(cache)}, timeout=120)
+    out = r.stdout.decode()
+    assert r.returncode == 0, r.stderr
+    assert "verify cost: pair.gguf" in out and "2:1.70" in out and "2:1.50" not in out, out
+    assert out.count("exactness probe: pair.gguf") == 1, out
+    assert "1 verify-cost calibration and 1 exactness probe for other llama.cpp builds or earlier versions" in out, out

@@ -32,14 +32,14 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     report["exactness_probes"] = [
         {"model": p.get("model"), "llama_cpp": p.get("llama_cpp"), "threads": p.get("threads"), "gpu_layers": p.get("gpu_layers"),
          "kv_type": p.get("kv_type"), "long_prefix": p.get("long_prefix"), "exact_batch": p["batch"],
-         "deviation": {str(b): v for b, v in sorted(p["deviation"].items())}}
+         "deviation": {str(b): v for b, v in sorted(p["deviation"].items())}, "current": p["current"]}
         for p in cached_probes()
     ]
     report["verify_costs"] = [  # what a verify batch of b rows costs in one-token decodes (the controller's start)
         {"model": c["model"], "threads": c["threads"], "gpu_layers": c["gpu_layers"],
          "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())},
          "measured": {str(b): round(v, 3) for b, v in sorted(c["measured"].items())},
-         "scale": round(c["scale"], 3), "live_steps": c["live_steps"]}
+         "scale": round(c["scale"], 3), "live_steps": c["live_steps"], "current": c["current"]}
         for c in cached_costs()
     ]
     from localspec.llama.ext import heads_available
@@ -65,18 +65,25 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
         mem = f"{d['memory_free'] / 2**30:.1f} of {d['memory_total'] / 2**30:.1f} GiB free" if d["memory_total"] else "memory n/a"
         say(f"device: {d['name']} ({d['type']}, {d['backend']}) {d['description']}: {mem}")
     say("models: " + ", ".join(f"{n} {'✓' if ok else '·'}" for n, ok in report["models"].items()))
-    for p in report["exactness_probes"]:
+    # an entry of an earlier version of a file, or of another build (a cache dir shared between machines), is never
+    # used here: listed under the same file name it would read as this machine's figures
+    for p in (p for p in report["exactness_probes"] if p["current"]):
         dev = " ".join(f"{b}:{v:.3g}" for b, v in p["deviation"].items()) or "-"
         say(f"exactness probe: {Path(p['model'] or '?').name} (threads {p['threads']}, gpu layers {p['gpu_layers']}, "
             f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
             f"max |Δlogit| per batch size {dev}")
-    for c in report["verify_costs"]:
+    for c in (c for c in report["verify_costs"] if c["current"]):
         costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
         live = (f"; the measured extra cost x {c['scale']:.2f}, from {c['live_steps']} verify steps of earlier "
                 "answers" if c["scale"] != 1.0 else f"; as measured, {c['live_steps']} verify steps of earlier answers "
                 "agree" if c["live_steps"] else "")
         say(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
             f"one-token decodes per batch size {costs}{live}")
+    other = [sum(not e["current"] for e in report[k]) for k in ("verify_costs", "exactness_probes")]
+    if any(other):
+        what = [f"{n} {w}{'s' if n != 1 else ''}" for n, w in zip(other, ("verify-cost calibration", "exactness probe"))]
+        say(f"also kept: {' and '.join(what)} for other llama.cpp builds or earlier versions of their files, not "
+            "used here")
     for h, state in report["draft_heads"].items():
         say(f"draft head {h}: {state}")
     for n in notes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -163,12 +164,26 @@ def deviation(model, upto: int) -> dict[int, float]:
 
 
 def cached_probes() -> list[dict]:
-    """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size."""
-    out = []
+    """Every cached probe, for `localspec doctor`: model, settings, exact batch and deviation per batch size, and
+    whether it is the current file's on this build (`current`)."""
+    out, build = [], _build()
     for key, entry in read_json(CACHE_FILE).items():
         if isinstance(entry, dict) and "batch" in entry and not key.startswith(("cost|", COST_KEY, BATCH_KEY)):
-            out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()}})
+            out.append({**entry, "deviation": {int(b): float(v) for b, v in (entry.get("deviation") or {}).items()},
+                        "current": _current(key, entry, build)})
     return out
+
+
+def _current(key: str, entry: dict, build: str) -> bool:
+    """Whether a cached entry is the one the model file as it is now, on this llama.cpp build, would be looked up by
+    (for some threads, GPU layers and KV type): a file replaced at the same path, or a cache dir shared with another
+    machine or build, leaves entries that are never used here again."""
+    path = entry.get("model")
+    try:
+        st = Path(path).stat()
+    except (OSError, TypeError, ValueError):
+        return False
+    return f"{path}|{st.st_size}|{st.st_mtime_ns}|" in key and f"|{build}|" in key
 
 
 # ------------------------------------------------------------------ what a verify batch costs here
@@ -288,15 +303,15 @@ def verify_costs_cached(model, upto: int) -> bool:
 def cached_costs() -> list[dict]:
     """Every cached verify-cost calibration, for `localspec doctor`: model, threads, GPU layers, T(b)/T(1) per b as
     the controller prices it (verify_costs) and as measured, the scale the live verify steps put on it and how many
-    of them are kept."""
-    out = []
+    of them are kept, and whether it is the current file's on this build (`current`)."""
+    out, build = [], _build()
     for key, entry in read_json(CACHE_FILE).items():
         if key.startswith(COST_KEY) and isinstance(entry, dict) and isinstance(entry.get("ratio"), dict):
             measured = {int(b): float(v) for b, v in entry["ratio"].items()}
             live = entry.get("live")
             out.append({"model": entry.get("model"), "threads": entry.get("threads"), "gpu_layers": entry.get("gpu_layers"),
                         "ratio": _scaled(measured, _scale_of(entry)), "measured": measured, "scale": _scale_of(entry),
-                        "live_steps": len(live) if isinstance(live, list) else 0})
+                        "live_steps": len(live) if isinstance(live, list) else 0, "current": _current(key, entry, build)})
     return out
 
 
