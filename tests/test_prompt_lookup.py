@@ -63,9 +63,13 @@ def test_a_copy_in_progress_is_offered_under_the_band_of_its_reach():
     assert offer.key == "lookup@2-3" and offer.k == 4 and offer.prior == REACH_BANDS[0][3]
     long = text + [0] + text  # the second copy agrees with everything before the first
     offer = PromptLookupDrafter().offer(long, 4)
-    assert offer.key == "lookup@12+" and offer.prior == REACH_BANDS[2][3]
-    mid = text + [0] + [1] + text[-6:]  # six tokens of agreement: the middle band
-    assert PromptLookupDrafter().offer(mid, 4).key == "lookup@4-11"
+    assert offer.key == "lookup@12+" and offer.prior == REACH_BANDS[-1][3]
+    mid = text + [0] + [1] + text[-6:]  # six tokens of agreement: a copy under way, apart from shorter matches
+    offer = PromptLookupDrafter().offer(mid, 4)
+    assert offer.key == "lookup@6-11" and offer.prior == REACH_BANDS[2][3]
+    four = text + [0] + [1] + text[-4:]
+    offer = PromptLookupDrafter().offer(four, 4)
+    assert offer.key == "lookup@4-5" and offer.prior == REACH_BANDS[1][3] < REACH_BANDS[2][3]
 
 
 def test_bad_sizes_are_refused():
