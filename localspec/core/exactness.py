@@ -64,9 +64,15 @@ def _build() -> str:
     return f"{llama_cpp_version()}+{hashlib.sha256(chr(10).join(what).encode()).hexdigest()[:12]}"
 
 
+def _file_version(path) -> str:
+    """A model file as it is now: its resolved path, size and modification time (the start of every cache key, so a
+    file replaced at the same path is measured anew)."""
+    st = Path(path).stat()
+    return f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
+
+
 def _key(model, upto: int) -> str:
-    st = model.path.stat()
-    parts = [model.path.resolve(), st.st_size, st.st_mtime_ns, model.n_threads, model.n_gpu_layers,
+    parts = [_file_version(model.path), model.n_threads, model.n_gpu_layers,
              _build(), "1" if knobs().no_repack else "", model.kv_type,
              _long_ok(model, upto), upto]
     if getattr(model, "rpc_servers", None):  # the workers compute the layers: their kernels decide
@@ -178,12 +184,11 @@ def _current(key: str, entry: dict, build: str) -> bool:
     """Whether a cached entry is the one the model file as it is now, on this llama.cpp build, would be looked up by
     (for some threads, GPU layers and KV type): a file replaced at the same path, or a cache dir shared with another
     machine or build, leaves entries that are never used here again."""
-    path = entry.get("model")
     try:
-        st = Path(path).stat()
+        version = _file_version(entry.get("model"))
     except (OSError, TypeError, ValueError):
         return False
-    return f"{path}|{st.st_size}|{st.st_mtime_ns}|" in key and f"|{build}|" in key
+    return f"{version}|" in key and f"|{build}|" in key
 
 
 # ------------------------------------------------------------------ what a verify batch costs here
