@@ -198,8 +198,31 @@ def test_exactness_auto_leaves_the_bit_cap_only_when_a_bigger_k_pays():
     steep = lambda b: T1 * b  # noqa: E731  every row costs a full step: no k above the cap can pay more
     p, ks = run(steep, 0.95, 2)
     assert p.switched is None and max(ks) <= 2
-    p, ks = run(flat, 0.3, 3)  # prose: low acceptance, bigger k does not pay enough
+    cheap = lambda b: T1 * (1 + 0.15 * (b - 1))  # noqa: E731  a wrong guess of k=4 costs 0.6 of a step
+    p, ks = run(cheap, 0.3, 3)  # prose: low acceptance, bigger k does not pay enough
     assert p.switched is None and max(ks) <= 2
+
+
+def test_exactness_auto_leaves_the_bit_cap_at_the_first_match_where_a_wrong_guess_costs_next_to_nothing():
+    """Where drafting and verifying k tokens costs next to nothing over a one-token step (prompt lookup on a GPU),
+    the bit cap is left at the first match the prior says pays, with no observation yet: waiting for evidence cost
+    every match its drafts. Where a wrong guess costs more, the cap holds until acceptances are observed."""
+
+    class Lookup(FakeLookup):
+        def match(self, context, k):
+            return [7] * k, 4
+
+    def first_steps(curve, cost):
+        p = AdaptivePolicy({"lookup": Lookup()}, k_max=4, cost_prior={"lookup": cost},
+                           verify_prior={b: curve(b) / T1 for b in range(1, 10)}, bit_cap=2)
+        return p, simulate(p, lambda s: 0.9, cost, curve, 3, np.random.default_rng(0), name="lookup")
+
+    p, ks = first_steps(flat, 0.0)
+    assert ks[1] > 2 and p.switched and "bit cap k<=2" in p.switched  # the first step measures plain decoding
+    p, ks = first_steps(flat, 0.1)  # a drafted token that costs a tenth of a step: four of them are no free guess
+    assert max(ks) <= 2 and p.switched is None
+    p, ks = first_steps(lambda b: T1 * (1 + 0.15 * (b - 1)), 0.0)
+    assert max(ks) <= 2 and p.switched is None
 
 
 def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated():

@@ -31,6 +31,8 @@ DEFAULT_DRAFT_COST = 0.5  # draft cost per token in target steps, for a drafter 
 SWITCH_MARGIN = 1.05  # exactness auto leaves the bit cap only for a k that pays this much more than the cap allows
 SWITCH_EVIDENCE = 4.0  # ... judged on an estimate with at least this many (decayed) observations
 SWITCH_EVIDENCE_CHEAP = 1.5  # ... where a verify one row wider than the cap allows costs no more
+SWITCH_FREE = 0.1  # ... and on none where drafting and verifying that k costs less than this over a one-token step
+#                     (prompt lookup on a GPU): a wrong guess there costs next to nothing, waiting costs every match
 OUTLIER = 2.0  # a verify timing above this multiple of the estimate (or of b one-token decodes) is clipped to it
 SHADOW_MAX = 16  # a free drafter's shadow proposals waiting for the tokens that judge them (older ones are dropped)
 REPEAT_FACTOR = 2  # an offer that repeats earlier text (Offer.repeat) may be drafted up to this many times k ...
@@ -351,7 +353,8 @@ class AdaptivePolicy:
                     # the evidence is the drafter's own (every key's steps): a copy that moved from a short-match
                     # key to a long one had shown lookup paying, but each key alone had too few steps to say so
                     seen = self.est[name].tried
-                    if seen and seen[0] >= self.switch_evidence:
+                    free = (k_full * t_tok + self.curve.cost(k_full + 1)) * plain - 1.0 < SWITCH_FREE
+                    if free or (seen and seen[0] >= self.switch_evidence):
                         self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
                                          f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
                         self.bit_cap = None
