@@ -425,7 +425,7 @@ def auto_with_suffix(curve, corpus_docs=()):
     return R.auto_cached(curve, corpus_docs, 4, 2)
 
 
-@pytest.mark.parametrize("curve", ["avx2", "avx512", "epyc"])
+@pytest.mark.parametrize("curve", ["avx2", "avx512", "epyc", "epyc-steep"])
 def test_auto_with_the_suffix_drafter_keeps_the_speed_rule_on_every_curve(curve):
     """auto >= 0.97x plain per recorded answer, with an empty cache and with the other answers of the set cached
     (earlier requests that are not this one), at every length the controller tests replay."""
