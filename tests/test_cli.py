@@ -131,6 +131,14 @@ def test_version_and_help():
     assert r.returncode == 0 and b"--draft-tokens" in r.stdout and b"Examples" in r.stdout
 
 
+
+def test_a_command_group_without_its_subcommand_shows_its_help_without_a_traceback():
+    for group, sub in (("models", b"pull"), ("cache", b"clear"), ("history", b"export")):
+        r = cli([group])
+        assert r.returncode == 2, (group, r.returncode, r.stderr)  # what click's standalone mode exits with
+        assert sub in r.stdout, (group, r.stdout)  # the group's help, which lists its subcommands
+        assert b"Traceback" not in r.stderr and b"Error" not in r.stderr, (group, r.stderr)
+
 def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, monkeypatch, capsys):
     import localspec.core.exactness as ex
 

@@ -199,8 +199,13 @@ def _main(argv: list[str] | None) -> None:
                 _interrupted()
             sys.stderr.write("aborted\n")
             sys.exit(1)
+        if kind == "NoArgsIsHelpError":  # a command group without its subcommand: its help is the answer
+            help_text = exc.format_message()  # empty where typer has printed its rich help already
+            if help_text.strip():
+                print(help_text)
+            sys.exit(2)
         if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):  # bad flags, missing values
-            err(exc.format_message().splitlines()[0] + " (see --help)")
+            err((exc.format_message().splitlines() or [kind])[0] + " (see --help)")
             sys.exit(2)
         if isinstance(exc.__context__, BrokenPipeError) or isinstance(exc, OSError) and exc.errno == 32:
             quiet_pipe()
