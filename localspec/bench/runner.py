@@ -84,6 +84,8 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 
 
 def load_prompts(path: Path | None = None, categories: Sequence[str] | None = None, limit: int | None = None) -> list[dict]:
+    if limit is not None and limit < 1:
+        raise UsageError(f"--limit must be >= 1 (prompts per category), got {limit}")
     if path is None:
         text = (resources.files("localspec") / "data" / "bench_prompts.jsonl").read_text()
         where = "built-in prompts"
@@ -120,7 +122,7 @@ def load_prompts(path: Path | None = None, categories: Sequence[str] | None = No
         out.append(d)
     if categories:
         out = [d for d in out if d["category"] in categories]
-    if limit:
+    if limit is not None:
         seen: dict[str, int] = {}
         kept = []
         for d in out:
