@@ -23,6 +23,12 @@ def pytest_configure(config):
     os.environ.setdefault("LOCALSPEC_CACHE_DIR", tempfile.mkdtemp(prefix="localspec-test-cache-"))
     # and the chat history out of the user's data dir
     os.environ.setdefault("LOCALSPEC_DATA_DIR", tempfile.mkdtemp(prefix="localspec-test-data-"))
+    # a suite started in the background by a script (`pytest &` without job control) inherits SIGINT ignored, and so
+    # would every process it starts: the Ctrl-C tests need SIGINT's usual disposition, here and in their children
+    import signal
+
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
