@@ -225,6 +225,35 @@ def test_exactness_auto_leaves_the_bit_cap_at_the_first_match_where_a_wrong_gues
     assert max(ks) <= 2 and p.switched is None
 
 
+
+def test_exactness_auto_leaves_the_bit_cap_at_once_for_a_repeat_of_an_earlier_request():
+    """A repeat of an earlier request's text (Offer.repeat: the suffix cache continues a match that reaches 12 or more
+    tokens back into it, the same request sent again) leaves the bit cap at its first step where the bigger k pays:
+    such a copy was accepted 0.95 of the time on the recorded answers, and the evidence wait drafted the first dozen
+    tokens of a repeated answer at k <= 2. The same offer not marked a repeat still waits for acceptances."""
+
+    class Copy(FakeLookup):
+        repeat = True
+
+        def offer(self, context, k):
+            return Offer(k, "suffix@12+", 0.9, repeat=self.repeat)
+
+        def match(self, context, k):
+            return [7] * k, 12
+
+    def first_steps(repeat):
+        d = Copy()
+        d.repeat = repeat
+        curve = lambda b: T1 * (1 + 0.15 * (b - 1))  # noqa: E731  a wrong guess costs 0.15 of a step a row
+        p = AdaptivePolicy({"lookup": d}, k_max=4, cost_prior={"lookup": 0.0},
+                           verify_prior={b: curve(b) / T1 for b in range(1, 10)}, bit_cap=2)
+        return p, simulate(p, lambda s: 0.95, 0.0, curve, 3, np.random.default_rng(0), name="lookup")
+
+    p, ks = first_steps(True)
+    assert ks[1] > 2 and p.switched and "bit cap k<=2" in p.switched  # the first step measures plain decoding
+    p, ks = first_steps(False)
+    assert max(ks) <= 2 and p.switched is None
+
 def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated():
     """The same prompt gets the same decisions run after run: live verify timings swing by 10-30% on a busy 2-core
     machine, so k is not judged on them. With a calibrated curve T(b)/T(1), a step's cost is T(1) x that ratio: the

@@ -354,7 +354,9 @@ class AdaptivePolicy:
                     # key to a long one had shown lookup paying, but each key alone had too few steps to say so
                     seen = self.est[name].tried
                     free = (k_full * t_tok + self.curve.cost(k_full + 1)) * plain - 1.0 < SWITCH_FREE
-                    if free or (seen and seen[0] >= self.switch_evidence):
+                    # a repeat of an earlier request's text (Offer.repeat) is a copy whose acceptance is measured, not
+                    # guessed (0.95 at a reach of 12 or more): waiting for evidence only drafted its first steps short
+                    if free or offer.repeat or (seen and seen[0] >= self.switch_evidence):
                         self.switched = (f"lossless: k={k_full} pays {rate_full / plain:.2f}x here, the bit cap "
                                          f"k<={self.bit_cap} would give {bit_best / plain:.2f}x")
                         self.bit_cap = None
