@@ -124,6 +124,50 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
     assert ratio == pytest.approx({b: cost[b] for b in range(1, 10)}, rel=0.02)
 
 
+
+def test_a_calibration_taken_on_a_busy_machine_is_measured_again(target_path, tmp_path, monkeypatch):
+    """b one-token decodes compute the same rows as one batch of b, so a batch never costs more than b of them; a
+    calibration that reads more (2 rows at 5.0 one-token decodes, measured while another process took the cores)
+    was disturbed. Cached as it was, it priced every verify out for good and `auto` never drafted again on that model.
+    It is measured again (up to COST_TRIES times); one cached from before is measured again when read; where every try
+    was disturbed, the least disturbed one is used clipped to b, and measured again once COST_RETRY_S have passed."""
+    from localspec.core import exactness as X
+    from localspec.llama.model import Model
+    from localspec.store.cachefile import read_json, update_json
+
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    busy = {1: 1.0, 2: 5.01, 3: 7.79, 4: 6.63, 5: 9.88, 6: 6.95, 7: 12.19, 8: 17.7, 9: 12.46}  # read on a busy machine
+    busier = {b: 2 * v for b, v in busy.items() if b > 1} | {1: 1.0}
+    quiet = {b: 1.0 + 0.6 * (b - 1) for b in range(1, 10)}
+    now = [1000.0]
+    monkeypatch.setattr(X, "_now", lambda: now[0])
+    with Model(target_path, n_ctx=512) as m:
+        readings = [dict(busy), dict(quiet)]
+        monkeypatch.setattr(X, "_measure_costs", lambda mm, upto: readings.pop(0))
+        assert X.verify_costs(m, 9) == quiet and not readings  # the busy reading was measured again at once
+
+        key = next(k for k in read_json(X.CACHE_FILE) if k.startswith(X.COST_KEY))
+        update_json(X.CACHE_FILE, lambda db: db[key].update(ratio={str(b): v for b, v in busy.items()}))
+        readings = [dict(quiet)]
+        assert X.verify_costs(m, 9) == quiet and not readings  # cached from before: measured again when read
+
+        update_json(X.CACHE_FILE, lambda db: db.pop(key))
+        readings = [dict(busier)] + [dict(busy)] * (X.COST_TRIES - 1)
+        clipped = X.verify_costs(m, 9)
+        assert not readings and clipped == {b: min(v, b) for b, v in busy.items()}  # the least disturbed, clipped
+        assert [c["disturbed"] for c in X.cached_costs()] == [True]
+        from helpers import cli
+
+        r = cli(["doctor"], env={"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
+        assert "taken while the machine was busy" in r.stdout.decode(), r.stdout.decode()
+        monkeypatch.setattr(X, "_measure_costs", lambda *a: pytest.fail("measured again within COST_RETRY_S"))
+        now[0] += X.COST_RETRY_S - 1
+        assert X.verify_costs(m, 9) == clipped and X.verify_costs_cached(m, 9)
+        now[0] += 2
+        assert not X.verify_costs_cached(m, 9)
+        monkeypatch.setattr(X, "_measure_costs", lambda mm, upto: dict(quiet))
+        assert X.verify_costs(m, 9) == quiet and [c["disturbed"] for c in X.cached_costs()] == [False]
+
 def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_path, monkeypatch):
     """One calibration, taken in a few seconds, read 1.55 one-token decodes for 2 rows where the same machine's
     verify steps then cost 1.7-1.8: each generation's judgements of the curve are kept with it (the latest

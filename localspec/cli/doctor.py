@@ -39,7 +39,8 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
         {"model": c["model"], "threads": c["threads"], "gpu_layers": c["gpu_layers"],
          "ratio": {str(b): round(v, 3) for b, v in sorted(c["ratio"].items())},
          "measured": {str(b): round(v, 3) for b, v in sorted(c["measured"].items())},
-         "scale": round(c["scale"], 3), "live_steps": c["live_steps"], "current": c["current"]}
+         "scale": round(c["scale"], 3), "live_steps": c["live_steps"], "current": c["current"],
+         "disturbed": c["disturbed"]}
         for c in cached_costs()
     ]
     from localspec.llama.ext import heads_available
@@ -73,12 +74,15 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
             f"kv {p['kv_type']}, llama-cpp-python {p['llama_cpp']}): bit-exact up to {p['exact_batch']} rows; "
             f"max |Δlogit| per batch size {dev}")
     for c in (c for c in report["verify_costs"] if c["current"]):
-        costs = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items())
-        live = (f"; the measured extra cost x {c['scale']:.2f}, from {c['live_steps']} verify steps of earlier "
-                "answers" if c["scale"] != 1.0 else f"; as measured, {c['live_steps']} verify steps of earlier answers "
-                "agree" if c["live_steps"] else "")
+        costs = " ".join(f"{b}:{v:.2f}" for b, v in c["measured"].items())
+        priced = " ".join(f"{b}:{v:.2f}" for b, v in c["ratio"].items() if b != "1")
+        live = (f"; priced at the measured extra cost x {c['scale']:.2f} ({priced}), from {c['live_steps']} verify "
+                "steps of earlier answers" if c["scale"] != 1.0 else f"; as measured, {c['live_steps']} verify steps "
+                "of earlier answers agree" if c["live_steps"] else "")
+        busy = ("; taken while the machine was busy (a batch read dearer than its rows one by one): priced at most "
+                "at that bound, and measured again at a later load" if c["disturbed"] else "")
         say(f"verify cost: {Path(c['model'] or '?').name} (threads {c['threads']}, gpu layers {c['gpu_layers']}): "
-            f"one-token decodes per batch size {costs}{live}")
+            f"one-token decodes per batch size, measured {costs}{live}{busy}")
     other = [sum(not e["current"] for e in report[k]) for k in ("verify_costs", "exactness_probes")]
     if any(other):
         what = [f"{n} {w}{'s' if n != 1 else ''}" for n, w in zip(other, ("verify-cost calibration", "exactness probe"))]
