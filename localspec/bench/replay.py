@@ -39,7 +39,8 @@ CURVES = {
     "avx2": {1: 1.0, 2: 1.60, 3: 2.19, 4: 2.67, 5: 3.27, 6: 3.81, 7: 4.46, 8: 6.64, 9: 7.07},
     "avx512": {1: 1.0, 2: 1.5, 3: 1.9, 4: 1.65, 5: 2.2, 6: 2.5, 7: 2.8, 8: 3.0, 9: 3.2},
     "epyc": {1: 1.0, 2: 1.75, 3: 2.25, 4: 2.85, 5: 3.45, 6: 3.95, 7: 4.55, 8: 4.7, 9: 5.05},  # AMD EPYC, AVX-512
-    # another AMD EPYC (AVX-512, BF16), the steepest calibration measured: a drafted token pays only inside long copies
+    # another AMD EPYC (AVX-512, BF16): the curve its controller priced by, the calibration's extra cost scaled x 1.54 by
+    # the verify steps of a busy hour, the steepest any run priced by: a drafted token pays only inside long copies
     "epyc-steep": {1: 1.0, 2: 1.94, 3: 2.81, 4: 3.31, 5: 4.39, 6: 5.25, 7: 6.02, 8: 8.87, 9: 9.98},
     "flat": {b: 1.0 + 0.02 * (b - 1) for b in range(1, 10)},  # a GPU: a batch of 9 costs about one row
 }
