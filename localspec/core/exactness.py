@@ -232,19 +232,21 @@ def _calibrate(model, upto: int) -> tuple[dict[int, float], bool]:
     return {b: min(v, float(b)) for b, v in least.items()}, True
 
 
-def _usable(entry, upto: int) -> bool:
-    """Whether a cached calibration answers for batches up to `upto`: measured far enough, not disturbed (one cached
-    before the check existed is measured again), or disturbed and clipped less than COST_RETRY_S ago."""
+def _cached_ratio(entry, upto: int) -> dict[int, float] | None:
+    """A cached calibration's T(b)/T(1) where it answers for batches up to `upto` (else None): measured far enough, not
+    disturbed (one cached before the check existed is measured again), or disturbed and clipped less than
+    COST_RETRY_S ago."""
     if not (isinstance(entry, dict) and isinstance(entry.get("ratio"), dict) and len(entry["ratio"]) >= upto):
-        return False
+        return None
     try:
         ratio = {int(b): float(v) for b, v in entry["ratio"].items()}
     except (TypeError, ValueError):
-        return False
+        return None
     at = entry.get("disturbed_at")
     if at is not None:
-        return isinstance(at, (int, float)) and 0 <= _now() - at < COST_RETRY_S
-    return not _disturbed(ratio)
+        fresh = isinstance(at, (int, float)) and 0 <= _now() - at < COST_RETRY_S
+        return ratio if fresh else None
+    return None if _disturbed(ratio) else ratio
 
 
 def time_batches(model, upto: int, reps: int = COST_REPS, cancel=None) -> dict[int, float]:
@@ -296,9 +298,8 @@ def verify_costs(model, upto: int) -> dict[int, float]:
     upto = max(upto, COST_MIN_UPTO)
     key = COST_KEY + _key(model, 0)
     entry = read_json(CACHE_FILE).get(key)
-    if _usable(entry, upto):
-        ratio = {int(b): float(v) for b, v in entry["ratio"].items()}
-    else:
+    ratio = _cached_ratio(entry, upto)
+    if ratio is None:
         ratio, disturbed = _calibrate(model, upto)
         entry = {"ratio": {str(b): v for b, v in ratio.items()}, "model": str(model.path.resolve()),
                  "threads": model.n_threads, "gpu_layers": model.n_gpu_layers}
@@ -352,7 +353,7 @@ def cost_scale(model) -> float:
 
 def verify_costs_cached(model, upto: int) -> bool:
     """Whether verify_costs(model, upto) is answered from the cache (no measuring)."""
-    return _usable(read_json(CACHE_FILE).get(COST_KEY + _key(model, 0)), max(upto, COST_MIN_UPTO))
+    return _cached_ratio(read_json(CACHE_FILE).get(COST_KEY + _key(model, 0)), max(upto, COST_MIN_UPTO)) is not None
 
 
 def cached_costs() -> list[dict]:
