@@ -131,13 +131,13 @@ def test_version_and_help():
     assert r.returncode == 0 and b"--draft-tokens" in r.stdout and b"Examples" in r.stdout
 
 
-
 def test_a_command_group_without_its_subcommand_shows_its_help_without_a_traceback():
     for group, sub in (("models", b"pull"), ("cache", b"clear"), ("history", b"export")):
         r = cli([group])
         assert r.returncode == 2, (group, r.returncode, r.stderr)  # what click's standalone mode exits with
         assert sub in r.stdout, (group, r.stdout)  # the group's help, which lists its subcommands
         assert b"Traceback" not in r.stderr and b"Error" not in r.stderr, (group, r.stderr)
+
 
 def test_auto_exactness_speculates_lossless_when_probe_answers_1(target_path, monkeypatch, capsys):
     import localspec.core.exactness as ex
@@ -346,7 +346,6 @@ def test_bad_prompts_file_is_a_usage_error_before_any_model_loads(tmp_path, cont
     assert str(f) in line and needle in line
 
 
-
 @pytest.mark.parametrize("cmd", ["bench", "tune"])
 @pytest.mark.parametrize("limit", ["0", "-1"])
 def test_a_limit_under_one_is_a_usage_error_not_the_whole_set(tmp_path, cmd, limit):
@@ -354,6 +353,7 @@ def test_a_limit_under_one_is_a_usage_error_not_the_whole_set(tmp_path, cmd, lim
     naming --limit, before any model loads (the model does not even exist here)."""
     r = cli([cmd, "-m", str(tmp_path / "absent.gguf"), "--limit", limit], timeout=60)
     assert "--limit" in one_error_line(r, 2)
+
 
 def test_bench_k_list_must_not_be_empty(tmp_path):
     """`--methods auto --k ,` (no k at all) is a usage error naming --k, not a ValueError."""

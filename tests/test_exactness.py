@@ -124,7 +124,6 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
     assert ratio == pytest.approx({b: cost[b] for b in range(1, 10)}, rel=0.02)
 
 
-
 def test_a_calibration_taken_on_a_busy_machine_is_measured_again(target_path, tmp_path, monkeypatch):
     """b one-token decodes compute the same rows as one batch of b, so a batch never costs more than b of them; a
     calibration that reads more (2 rows at 5.0 one-token decodes, measured while another process took the cores)
@@ -167,6 +166,7 @@ def test_a_calibration_taken_on_a_busy_machine_is_measured_again(target_path, tm
         assert not X.verify_costs_cached(m, 9)
         monkeypatch.setattr(X, "_measure_costs", lambda mm, upto: dict(quiet))
         assert X.verify_costs(m, 9) == quiet and [c["disturbed"] for c in X.cached_costs()] == [False]
+
 
 def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_path, monkeypatch):
     """One calibration, taken in a few seconds, read 1.55 one-token decodes for 2 rows where the same machine's

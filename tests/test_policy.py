@@ -225,7 +225,6 @@ def test_exactness_auto_leaves_the_bit_cap_at_the_first_match_where_a_wrong_gues
     assert max(ks) <= 2 and p.switched is None
 
 
-
 def test_exactness_auto_leaves_the_bit_cap_at_once_for_a_repeat_of_an_earlier_request():
     """A repeat of an earlier request's text (Offer.repeat: the suffix cache continues a match that reaches 12 or more
     tokens back into it, the same request sent again) leaves the bit cap at its first step where the bigger k pays:
@@ -253,6 +252,7 @@ def test_exactness_auto_leaves_the_bit_cap_at_once_for_a_repeat_of_an_earlier_re
     assert ks[1] > 2 and p.switched and "bit cap k<=2" in p.switched  # the first step measures plain decoding
     p, ks = first_steps(False)
     assert max(ks) <= 2 and p.switched is None
+
 
 def test_decisions_do_not_swing_with_timing_noise_when_the_curve_is_calibrated():
     """The same prompt gets the same decisions run after run: live verify timings swing by 10-30% on a busy 2-core
