@@ -349,7 +349,7 @@ def test_bad_prompts_file_is_a_usage_error_before_any_model_loads(tmp_path, cont
 @pytest.mark.parametrize("cmd", ["bench", "tune"])
 @pytest.mark.parametrize("limit", ["0", "-1"])
 def test_a_limit_under_one_is_a_usage_error_not_the_whole_set(tmp_path, cmd, limit):
-    """`--limit 0` once ran every built-in prompt (0 read as no limit) and `--limit -1` none: both are one usage line
+    """`--limit 0` read as no limit would run every built-in prompt, and `--limit -1` none: both are one usage line
     naming --limit, before any model loads (the model does not even exist here)."""
     r = cli([cmd, "-m", str(tmp_path / "absent.gguf"), "--limit", limit], timeout=60)
     assert "--limit" in one_error_line(r, 2)
