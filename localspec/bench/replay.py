@@ -13,9 +13,14 @@ keeps, for every position of the answer, what that drafter proposed there ("prop
 replay puts those proposals in fixed-k and `auto` policies beside prompt lookup, each drafted token costing C target
 steps (--draft-cost; default: the trace's "draft_cost", the draft's size over the target's).
 
+Native `llama-lookup` is replayed as NativeLookupModel drafts (llama.cpp's n-gram cache, checked against the binary's
+own counts on benchmarks/data/native_lookup_traces.json): not prompt lookup at a fixed k, which drafts after matches
+the native cache declines and misses the ones it takes after a single token.
+
 --series replays the traces as one user's requests in order: each answer enters the suffix cache of the ones after it
-(a script run again, an agent repeating itself), and `auto` drafts from that cache beside prompt lookup; an id of the
-form N-GROUP is also totalled per GROUP (benchmarks/repeated_work.py records such a series).
+(a script run again, an agent repeating itself), and `auto` drafts from that cache beside prompt lookup, as native
+lookup with -lcd drafts from the counts of the runs before; an id of the form N-GROUP is also totalled per GROUP
+(benchmarks/repeated_work.py records such a series).
 """
 
 from __future__ import annotations
@@ -104,6 +109,76 @@ def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, flo
             "accepted": accepted, "switched": getattr(policy, "switched", None)}
 
 
+class NativeLookupModel(Drafter):
+    """What native `llama-lookup` drafts (llama.cpp's common/ngram-cache.cpp; no static cache, -lcs), token by token:
+    the continuation counted most often after the context's last 4, 3, 2 or 1 tokens, from the longest n-gram whose
+    counts pass (at least 1, 1, 2, 2 occurrences and a share of 50, 50, 50, 66%), up to k tokens, stopping at the first
+    token none passes. Where the context's counts pass at no length, `dynamic` (-lcd: the counts of earlier runs'
+    prompts and answers, merged) is asked with stricter bounds (2, 2, 3, 4 occurrences; 66, 66, 66, 75%). Prompt lookup
+    proposes what followed the latest occurrence of the longest match; the native cache also drafts after one token
+    and stops where earlier occurrences disagree. Ties go to the continuation first seen latest (libstdc++'s
+    unordered_map lists its newest keys first). Checked against the native binary's own counts
+    (benchmarks/data/native_lookup_traces.json)."""
+
+    name = "native-lookup"
+    LAX = {4: (1, 50), 3: (1, 50), 2: (2, 50), 1: (2, 66)}  # n -> (occurrences, percent) for the context's counts
+    STRICT = {4: (2, 66), 3: (2, 66), 2: (3, 66), 1: (4, 75)}  # ... for the dynamic cache's
+
+    def __init__(self, dynamic: dict | None = None) -> None:
+        self.dynamic = dynamic or {}
+        self._tokens: list[int] = []
+        self._counts: dict[tuple, dict[int, int]] = {}  # n-gram -> {next token: count}, first seen first
+
+    def begin(self, context: Sequence[int]) -> None:
+        self._tokens, self._counts = [], {}
+        self._extend(context)
+
+    def _extend(self, context: Sequence[int]) -> None:
+        if self._tokens != list(context[:len(self._tokens)]):
+            self._tokens, self._counts = [], {}
+        for t in context[len(self._tokens):]:
+            count_next(self._counts, self._tokens, int(t))
+
+    def _next(self, seq: Sequence[int]) -> int | None:
+        for counts, bounds in ((self._counts, self.LAX), (self.dynamic, self.STRICT)):
+            for n in range(4, 0, -1):
+                part = counts.get(tuple(seq[-n:])) if len(seq) >= n else None
+                if not part:
+                    continue
+                best, top = None, 0
+                for tok in reversed(list(part)):
+                    if part[tok] > top:
+                        best, top = tok, part[tok]
+                total = sum(part.values())
+                if total >= bounds[n][0] and 100 * top >= bounds[n][1] * total:
+                    return best
+        return None
+
+    def cost(self) -> float:
+        return 0.0
+
+    def propose(self, context, k, sp, rng) -> Proposal:
+        self._extend(context)
+        seq, out = list(self._tokens), []
+        while len(out) < k:
+            tok = self._next(seq)
+            if tok is None:
+                break
+            out.append(tok)
+            seq.append(tok)
+        return Proposal(out)
+
+
+def count_next(counts: dict[tuple, dict[int, int]], tokens: list[int], t: int) -> None:
+    """Append t to tokens and count it after each of the 1 to 4 tokens before it (llama.cpp's n-gram cache update)."""
+    tokens.append(t)
+    i = len(tokens) - 1
+    for n in range(1, 5):
+        if i >= n:
+            part = counts.setdefault(tuple(tokens[i - n:i]), {})
+            part[t] = part.get(t, 0) + 1
+
+
 def _draft_cost(drafter, n: int) -> float:
     """Target steps spent drafting the last proposal of n tokens: a chain pays for its model's tokens only."""
     model = getattr(drafter, "model", None)
@@ -118,6 +193,11 @@ def plain() -> Callable[[], Policy]:
 
 def lookup(k: int) -> Callable[[], Policy]:
     return lambda: FixedPolicy(PromptLookupDrafter(), k)
+
+
+def native_lookup(k: int, dynamic: dict | None = None) -> Callable[[], Policy]:
+    """Native `llama-lookup` with --spec-draft-n-max k (NativeLookupModel), with `dynamic` its -lcd cache's counts."""
+    return lambda: FixedPolicy(NativeLookupModel(dynamic), k)
 
 
 def auto(curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2) -> Callable[[], Policy]:
@@ -138,9 +218,13 @@ def auto_cached(curve: dict[int, float], docs: Sequence[Doc], k_max: int = 4,
 
 
 def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None) -> dict[str, dict[str, list]]:
-    """The traces sent in order by one user: each answer (prompt and output) is cached for the ones after it.
-    Per config ("plain", "lookup k=3", "auto, no cache", "auto") and trace id: [tokens timed, seconds]."""
+    """The traces sent in order by one user: each answer (prompt and output) is cached for the ones after it, by
+    `auto`'s suffix cache and by native lookup's -lcd file. Per config ("plain", "lookup k=3", "native lookup k=3",
+    "native lookup k=3 -lcd", "auto, no cache", "auto") and trace id: [tokens timed, seconds]."""
+    dynamic: dict[tuple, dict[int, int]] = {}  # the -lcd file: every earlier run's counts, merged
     configs = {"plain": lambda docs: plain(), "lookup k=3": lambda docs: lookup(3),
+               "native lookup k=3": lambda docs: native_lookup(3),
+               "native lookup k=3 -lcd": lambda docs: native_lookup(3, dynamic),
                "auto, no cache": lambda docs: auto(curve, 4, 2), "auto": lambda docs: auto_cached(curve, docs)}
     out: dict[str, dict[str, list]] = {name: {} for name in configs}
     docs: list[Doc] = []
@@ -149,7 +233,11 @@ def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None
         for name, make in configs.items():
             r = replay(tr, make(docs), curve, n)
             out[name][tr["id"]] = [timed, timed / r["rate"] if r["rate"] else 0.0]
-        docs.append(Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]]))
+        seen = [int(t) for t in tr["prompt"] + tr["output"][:n]]
+        docs.append(Doc(f"series-{i}", float(i), seen))
+        ran: list[int] = []
+        for t in seen:
+            count_next(dynamic, ran, t)
     return out
 
 
@@ -213,7 +301,7 @@ def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
           draft_cost: float | None = None) -> dict[str, dict[str, float]]:
     """Speedup over plain per config and trace id."""
     configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
-               "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
+               "native lookup k=3": native_lookup(3), "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
     for name in recorded_sources(traces):
         longest = max((len(p) for tr in traces for p in tr["proposals"][name]), default=0)
         configs.update({f"{name} k={k}": fixed_recorded(name, k, draft_cost) for k in (1, 2, 3, 4, 8) if k <= longest})
