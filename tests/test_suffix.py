@@ -98,6 +98,27 @@ def test_the_longest_match_decides_and_the_offer_says_how_far_it_reaches():
     assert d.match(short, 3) == ([2, 2, 2], 2) and d.offer(short, 3).key == "suffix@2-3"
 
 
+def test_beside_lookup_a_short_match_into_earlier_requests_is_offered_where_they_agree_and_none_where_they_split():
+    """Beside prompt lookup (auto) a match into earlier requests shorter than CORPUS_REACH_MIN is offered only where
+    two or more earlier occurrences agree on the next token (AGREE); a match whose occurrences split on it is not
+    offered at all, beside lookup or alone."""
+    ctx = [7, 98, 12]
+    one = [doc(0, [1, 98, 12, 50, 51])]
+    two = one + [doc(1, [2, 98, 12, 50, 52])]
+    split = one + [doc(1, [3, 98, 12, 60, 61])]
+
+    def offer(docs, beside):
+        d = S.SuffixDrafter(S.SuffixCorpus(10_000, docs), beside_lookup=beside)
+        d.begin(list(ctx))
+        off = d.offer(list(ctx), 3)
+        return (off.key, d.propose(list(ctx), 3, None, None).tokens) if off else None
+
+    assert offer(one, False) == ("suffix@2-3", [50, 51])
+    assert offer(one, True) is None  # one earlier occurrence, 2 tokens back: lookup's kind of guess
+    assert offer(two, True) == ("suffix@2-3", [50, 52])  # both went on with 50 (then split: the newest)
+    assert offer(split, False) is None and offer(split, True) is None
+
+
 def test_only_a_long_match_into_an_earlier_request_is_offered_as_a_repeat():
     """Offer.repeat (drafted beyond k by auto): a continuation of an earlier request reaching 12+ tokens back; not a
     shorter one, and not the request's own text however far back it agrees."""
@@ -148,9 +169,9 @@ def test_a_request_drafts_from_itself_and_joins_the_corpus_when_the_next_begins(
     ctx2 = [0, 6, 1]
     other.begin(ctx2)
     assert other.match(ctx2, 4)[0] == [2, 3, 4, 5]  # another drafter of the scope finds it
-    ctx3 = [0, 5, 6]  # "5 6" went on with 1 once and with 7 once: a tie goes to the newest
+    ctx3 = [0, 5, 6]  # "5 6" went on with 1 once and with 7 once: the occurrences split, nothing is proposed
     other.begin(ctx3)
-    assert other.match(ctx3, 2)[0] == [7, 8]
+    assert other.match(ctx3, 2)[0] == []
 
 
 def test_a_continued_chat_stays_one_document():

@@ -13,7 +13,8 @@ token (a Python dict each), against ~4 machine ints per token here.
 
 A match is the longest context tail (up to DEPTH tokens) that occurred before; the proposal follows what came after
 those occurrences by majority, token by token, while the continuation's share of them stays at SHARE_MIN or above
-(two earlier answers that split there halve it), so its length follows its confidence.
+(two earlier answers that split there halve it), so its length follows its confidence. Where the occurrences disagree
+on the very next token (no continuation holds AGREE of them), nothing is proposed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ SHARE_MIN = 0.4  # a continuation is proposed while its share of the matched occ
 # beside prompt lookup (auto), only matches into earlier requests are offered (lookup drafts the request's own text,
 # and two estimates of the same matches doubled what auto spent finding out they do not pay), from this reach on
 CORPUS_REACH_MIN = 4
+# ... or shorter, where at least two earlier occurrences agree on the next token by this share: the counts' own
+# judgement, as llama.cpp's -lcd cache asks of earlier runs' n-grams (2-4 occurrences, 66-75%). Where they disagree,
+# the match is not offered at all. On the recorded repeated-work series the next token was accepted after 0.8 of the
+# short matches whose occurrences agreed, 0.34 of those with one occurrence and 0.2 of those whose occurrences split
+# (docs/design.md, "Repeats")
+AGREE = 2 / 3
 _LIVE = 1 << 40  # the recency rank of the request's own occurrences: newer than any in the corpus
 SEP = -1  # between documents in the corpus: never in a context, so no match or continuation crosses it
 _P = 0x100000001B3  # n-gram hash multiplier (FNV-64 prime); keys are 64-bit, a collision is caught by the reach check
@@ -283,8 +290,8 @@ _AT_EXIT = _AtExit()
 class SuffixDrafter(Drafter):
     """Proposes the continuation that most often followed the context's longest earlier match, in this request or
     in `corpus` (None: this request only). Free to ask and a function of the context: judged by its shadow, as
-    prompt lookup is. beside_lookup: prompt lookup drafts too (auto), so only matches into the corpus that reach
-    CORPUS_REACH_MIN tokens back are offered."""
+    prompt lookup is. beside_lookup: prompt lookup drafts too (auto), so only matches into the corpus are offered,
+    those that reach CORPUS_REACH_MIN tokens back and shorter ones that earlier occurrences agree on (AGREE)."""
 
     name = "suffix"
     shadowed = True
@@ -356,8 +363,12 @@ class SuffixDrafter(Drafter):
         if memo is not None and memo[0] == (len(context), version) and (memo[1] >= k or len(memo[2]) < memo[1]):
             return memo[2][:k], memo[3], memo[4]
         reach, cands = self._candidates(context)
-        if self.beside_lookup and (reach < CORPUS_REACH_MIN or all(c[2] >= _LIVE for c in cands)):
+        if len(cands) > 1 and not _agreed(cands):
             cands = []
+        if self.beside_lookup and cands:
+            earlier = [c for c in cands if c[2] < _LIVE]
+            if not earlier or (reach < CORPUS_REACH_MIN and not (len(earlier) > 1 and _agreed(earlier))):
+                cands = []
         tokens = self._continue(cands, k) if cands else []
         earlier = any(c[2] < _LIVE for c in cands)
         self._memo = ((len(context), version), k, tokens, reach, earlier)
@@ -449,6 +460,15 @@ class SuffixDrafter(Drafter):
             return Proposal()
         tokens, _ = self.match(context, k)
         return Proposal(tokens, None)
+
+
+def _agreed(cands: list[tuple]) -> bool:
+    """Whether AGREE of the occurrences `cands` ((tokens, position, recency)) are followed by the same token."""
+    votes: dict[int, int] = {}
+    for toks, e, _ in cands:
+        if e < len(toks) and toks[e] != SEP:
+            votes[toks[e]] = votes.get(toks[e], 0) + 1
+    return bool(votes) and max(votes.values()) >= AGREE * len(cands)
 
 
 _CORPORA: dict[tuple[str, str], SuffixCorpus] = {}  # (vocabulary, scope) -> this process's corpus
