@@ -134,7 +134,8 @@ class NativeLookupModel(Drafter):
         self._extend(context)
 
     def _extend(self, context: Sequence[int]) -> None:
-        if self._tokens != list(context[:len(self._tokens)]):
+        known = len(self._tokens)
+        if len(context) < known or (known and context[known - 1] != self._tokens[-1]):  # another context: count anew
             self._tokens, self._counts = [], {}
         for t in context[len(self._tokens):]:
             count_next(self._counts, self._tokens, int(t))
@@ -159,7 +160,7 @@ class NativeLookupModel(Drafter):
 
     def propose(self, context, k, sp, rng) -> Proposal:
         self._extend(context)
-        seq, out = list(self._tokens), []
+        seq, out = self._tokens[-4:], []  # the longest n-gram asked is 4 tokens
         while len(out) < k:
             tok = self._next(seq)
             if tok is None:
@@ -301,7 +302,8 @@ def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
           draft_cost: float | None = None) -> dict[str, dict[str, float]]:
     """Speedup over plain per config and trace id."""
     configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
-               "native lookup k=3": native_lookup(3), "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
+               "native lookup k=3": native_lookup(3),
+               "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
     for name in recorded_sources(traces):
         longest = max((len(p) for tr in traces for p in tr["proposals"][name]), default=0)
         configs.update({f"{name} k={k}": fixed_recorded(name, k, draft_cost) for k in (1, 2, 3, 4, 8) if k <= longest})

@@ -44,7 +44,7 @@ CORPUS_REACH_MIN = 4
 # judgement, as llama.cpp's -lcd cache asks of earlier runs' n-grams (2-4 occurrences, 66-75%). Where they disagree,
 # the match is not offered at all. On the recorded repeated-work series the next token was accepted after 0.8 of the
 # short matches whose occurrences agreed, 0.34 of those with one occurrence and 0.2 of those whose occurrences split
-# (docs/design.md, "Repeats")
+# (docs/design.md, "Where earlier occurrences agree")
 AGREE = 2 / 3
 _LIVE = 1 << 40  # the recency rank of the request's own occurrences: newer than any in the corpus
 SEP = -1  # between documents in the corpus: never in a context, so no match or continuation crosses it
@@ -366,8 +366,8 @@ class SuffixDrafter(Drafter):
         if len(cands) > 1 and not _agreed(cands):
             cands = []
         if self.beside_lookup and cands:
-            earlier = [c for c in cands if c[2] < _LIVE]
-            if not earlier or (reach < CORPUS_REACH_MIN and not (len(earlier) > 1 and _agreed(earlier))):
+            older = [c for c in cands if c[2] < _LIVE]  # occurrences in earlier requests
+            if not older or (reach < CORPUS_REACH_MIN and not (len(older) > 1 and _agreed(older))):
                 cands = []
         tokens = self._continue(cands, k) if cands else []
         earlier = any(c[2] < _LIVE for c in cands)
