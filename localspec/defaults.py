@@ -6,7 +6,7 @@ from __future__ import annotations
 
 # the drafter kinds, by the method name that selects each (drafters/registry.py maps each to its class and checks
 # that both lists agree); auto: the controller picks among them; none: plain decoding
-DRAFTER_KINDS = ("draft", "lookup", "suffix", "eagle3", "mtp", "dflash")
+DRAFTER_KINDS = ("draft", "lookup", "ngram", "suffix", "eagle3", "mtp", "dflash")
 HEAD_KINDS = ("eagle3", "mtp", "dflash")  # drafters built on the target's own context
 METHODS = ("auto", *DRAFTER_KINDS, "none")
 

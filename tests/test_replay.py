@@ -226,13 +226,15 @@ def auto_vs_native(curve, n, bit_cap=2):
     return {i: auto[i] / best[i] for i in auto}
 
 
-@pytest.mark.parametrize("curve_name", ["avx2", "epyc", "epyc-steep"])
-def test_auto_as_shipped_matches_native_lookup_on_every_answer_of_the_steep_cpu_curves(curve_name):
+@pytest.mark.parametrize("curve_name", ["avx2", "avx512", "epyc", "epyc-steep"])
+def test_auto_as_shipped_matches_native_lookup_on_every_answer_of_every_cpu_curve(curve_name):
     """Per answer at its own length, auto as shipped at least 0.97x the better of plain decoding and native
-    `llama-lookup` k=3 on the 2-core AVX2 and the two AMD EPYC curves. A copy that has run for 6-11
+    `llama-lookup` k=3 on the 2-core AVX2, AVX-512 and the two AMD EPYC curves. A copy that has run for 6-11
     tokens is judged apart from 4-5-token matches (measured on these answers: 0.67 accepted at a reach of 4, 0.84-0.92
     at 6-11): judged with them, the EPYC rename answer declined a copy it then matched 4/4 on six steps in a row, and
-    ran at 0.962x lookup k=3."""
+    ran at 0.962x lookup k=3. Where a 4-row verify costs less than a 3-row one (AVX-512), a 3-token draft pays even
+    when only its first token is accepted: with prompt lookup alone, auto declined the rewrite answer's short matches
+    that native's counts drafted and got (0.962x); the n-gram cache drafter, judged beside it, drafts them."""
     ratio = auto_vs_native(R.CURVES[curve_name], None)
     assert min(ratio.values()) >= 0.97, {i: round(v, 3) for i, v in ratio.items()}
 
@@ -315,8 +317,9 @@ def test_the_native_lookup_model_keeps_llama_cpp_s_thresholds():
 def test_the_repeated_work_series_is_no_slower_than_native_lookup_with_its_dynamic_cache(curve_name):
     """The recorded repeated-work series, each answer cached for the requests after it: per group of requests and over
     the whole series, auto with the suffix cache at least as fast as native `llama-lookup -lcd` (its n-gram counts of
-    the earlier runs kept in a file), but on the AVX-512 curve's describe group (0.987x), where a 4-row verify costs
-    less than a 3-row one and native drafts 3 tokens on every n-gram its counts support."""
+    the earlier runs kept in a file). On the AVX-512 curve's describe group, where a 4-row verify costs less than a
+    3-row one and native drafts 3 tokens on every n-gram its counts support, auto with prompt lookup alone came to
+    0.987x; the n-gram cache drafter beside it drafts those n-grams where its shadows show they pay."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "repeated_work_traces.json"
     runs = R.series(R.load(path), R.CURVES[curve_name])
     groups: dict = {"all": list(runs["plain"])}
@@ -326,5 +329,4 @@ def test_the_repeated_work_series_is_no_slower_than_native_lookup_with_its_dynam
     def rate(name, ids):
         return sum(runs[name][i][0] for i in ids) / sum(runs[name][i][1] for i in ids)
     ratios = {g: rate("auto", ids) / rate("native lookup k=3 -lcd", ids) for g, ids in groups.items()}
-    floor = {("avx512", "describe"): 0.98}
-    assert all(r >= floor.get((curve_name, g), 1.0) for g, r in ratios.items()), ratios
+    assert all(r >= 1.0 for r in ratios.values()), ratios

@@ -505,7 +505,8 @@ def test_a_repeat_is_drafted_beyond_k_and_a_copy_inside_the_request_is_not():
     for tid in ("summarize", "rename"):
         tr = traces[tid]
         _, alone = most_k(tr, ())
-        assert alone == {"lookup": 4}, (tid, alone)  # the request's own copies: k = 4 at most
+        # the request's own copies (prompt lookup, the n-gram cache): k = 4 at most
+        assert set(alone) <= {"lookup", "ngram"} and max(alone.values()) == 4, (tid, alone)
         again, ks = most_k(tr, [doc(0, tr["prompt"] + tr["output"])])
         assert ks["suffix"] == 8 and again >= 1.55, (tid, ks, again)
     assert AdaptivePolicy({}, 2).k_repeat == 4 and AdaptivePolicy({}, 8).k_repeat == 8

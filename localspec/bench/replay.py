@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.chain import chained
+from localspec.drafters.ngram_cache import N_MAX, NgramCacheDrafter, count_next, passes
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
 from localspec.defaults import SUFFIX_CACHE_TOKENS
@@ -109,75 +110,29 @@ def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, flo
             "accepted": accepted, "switched": getattr(policy, "switched", None)}
 
 
-class NativeLookupModel(Drafter):
-    """What native `llama-lookup` drafts (llama.cpp's common/ngram-cache.cpp; no static cache, -lcs), token by token:
-    the continuation counted most often after the context's last 4, 3, 2 or 1 tokens, from the longest n-gram whose
-    counts pass (at least 1, 1, 2, 2 occurrences and a share of 50, 50, 50, 66%), up to k tokens, stopping at the first
-    token none passes. Where the context's counts pass at no length, `dynamic` (-lcd: the counts of earlier runs'
-    prompts and answers, merged) is asked with stricter bounds (2, 2, 3, 4 occurrences; 66, 66, 66, 75%). Prompt lookup
-    proposes what followed the latest occurrence of the longest match; the native cache also drafts after one token
-    and stops where earlier occurrences disagree. Ties go to the continuation first seen latest (libstdc++'s
-    unordered_map lists its newest keys first). Checked against the native binary's own counts
-    (benchmarks/data/native_lookup_traces.json)."""
+class NativeLookupModel(NgramCacheDrafter):
+    """What native `llama-lookup` drafts (llama.cpp's common/ngram-cache.cpp; no static cache, -lcs): the n-gram cache
+    drafter (drafters/ngram_cache.py, the context's own counts), and where those pass at no length, `dynamic` (-lcd:
+    the counts of earlier runs' prompts and answers, merged) asked with stricter bounds (2, 2, 3, 4 occurrences; 66,
+    66, 66, 75%). Checked against the native binary's own counts (benchmarks/data/native_lookup_traces.json)."""
 
     name = "native-lookup"
-    LAX = {4: (1, 50), 3: (1, 50), 2: (2, 50), 1: (2, 66)}  # n -> (occurrences, percent) for the context's counts
-    STRICT = {4: (2, 66), 3: (2, 66), 2: (3, 66), 1: (4, 75)}  # ... for the dynamic cache's
+    STRICT = {4: (2, 66), 3: (2, 66), 2: (3, 66), 1: (4, 75)}  # n -> (occurrences, percent) for the dynamic cache's
 
     def __init__(self, dynamic: dict | None = None) -> None:
+        super().__init__()
         self.dynamic = dynamic or {}
-        self._tokens: list[int] = []
-        self._counts: dict[tuple, dict[int, int]] = {}  # n-gram -> {next token: count}, first seen first
 
-    def begin(self, context: Sequence[int]) -> None:
-        self._tokens, self._counts = [], {}
-        self._extend(context)
-
-    def _extend(self, context: Sequence[int]) -> None:
-        known = len(self._tokens)
-        if len(context) < known or (known and context[known - 1] != self._tokens[-1]):  # another context: count anew
-            self._tokens, self._counts = [], {}
-        for t in context[len(self._tokens):]:
-            count_next(self._counts, self._tokens, int(t))
-
-    def _next(self, seq: Sequence[int]) -> int | None:
-        for counts, bounds in ((self._counts, self.LAX), (self.dynamic, self.STRICT)):
-            for n in range(4, 0, -1):
-                part = counts.get(tuple(seq[-n:])) if len(seq) >= n else None
-                if not part:
-                    continue
-                best, top = None, 0
-                for tok in reversed(list(part)):
-                    if part[tok] > top:
-                        best, top = tok, part[tok]
-                total = sum(part.values())
-                if total >= bounds[n][0] and 100 * top >= bounds[n][1] * total:
-                    return best
-        return None
-
-    def cost(self) -> float:
-        return 0.0
-
-    def propose(self, context, k, sp, rng) -> Proposal:
-        self._extend(context)
-        seq, out = self._tokens[-4:], []  # the longest n-gram asked is 4 tokens
-        while len(out) < k:
-            tok = self._next(seq)
-            if tok is None:
-                break
-            out.append(tok)
-            seq.append(tok)
-        return Proposal(out)
-
-
-def count_next(counts: dict[tuple, dict[int, int]], tokens: list[int], t: int) -> None:
-    """Append t to tokens and count it after each of the 1 to 4 tokens before it (llama.cpp's n-gram cache update)."""
-    tokens.append(t)
-    i = len(tokens) - 1
-    for n in range(1, 5):
-        if i >= n:
-            part = counts.setdefault(tuple(tokens[i - n:i]), {})
-            part[t] = part.get(t, 0) + 1
+    def next_token(self, seq: Sequence[int]) -> tuple[int | None, int]:
+        tok, n = super().next_token(seq)
+        if tok is not None or not self.dynamic:
+            return tok, n
+        for n in range(N_MAX, 0, -1):
+            if len(seq) >= n:
+                tok = passes(self.dynamic.get(tuple(seq[-n:])), self.STRICT[n])
+                if tok is not None:
+                    return tok, n
+        return None, 0
 
 
 def _draft_cost(drafter, n: int) -> float:
@@ -202,8 +157,14 @@ def native_lookup(k: int, dynamic: dict | None = None) -> Callable[[], Policy]:
 
 
 def auto(curve: dict[int, float], k_max: int = 4, bit_cap: int | None = 2) -> Callable[[], Policy]:
-    """`auto` with prompt lookup as `localspec run` builds it (the draft model left out: it never pays on a CPU)."""
-    return lambda: AdaptivePolicy({"lookup": PromptLookupDrafter()}, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+    """`auto` with the model-free drafters of a first request as `localspec run` builds it: prompt lookup and the
+    n-gram cache (the draft model left out: it never pays on a CPU)."""
+    return lambda: AdaptivePolicy(model_free(), k_max, {}, None, dict(curve), bit_cap=bit_cap)
+
+
+def model_free() -> dict[str, Drafter]:
+    """The drafters `auto` has on the request's own text, whatever else is loaded."""
+    return {"lookup": PromptLookupDrafter(), "ngram": NgramCacheDrafter()}
 
 
 def auto_cached(curve: dict[int, float], docs: Sequence[Doc], k_max: int = 4,
@@ -211,7 +172,7 @@ def auto_cached(curve: dict[int, float], docs: Sequence[Doc], k_max: int = 4,
     """`auto` as `localspec run` builds it with the suffix cache: prompt lookup and the suffix drafter over `docs`
     (earlier requests' prompts and answers)."""
     def make() -> Policy:
-        drafters = {"lookup": PromptLookupDrafter(),
+        drafters = {**model_free(),
                     "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, list(docs)), beside_lookup=True)}
         return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)
 
@@ -261,7 +222,7 @@ def auto_recorded(name: str, curve: dict[int, float], k_max: int = 4, bit_cap: i
     """`auto` choosing each step among prompt lookup, the recorded drafter `name` and, with `chain`, that drafter's
     proposals extended by the request's own text (drafters/chain.py; the suffix cache of a first request)."""
     def make(tr: dict) -> Policy:
-        drafters = {"lookup": PromptLookupDrafter(), name: recorded(tr, name, draft_cost)}
+        drafters = {**model_free(), name: recorded(tr, name, draft_cost)}
         if chain:
             drafters = chained({**drafters, "suffix": SuffixDrafter(None, beside_lookup=True)})
         return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)

@@ -21,8 +21,8 @@ from localspec.errors import UsageError
 from localspec.sample.sampling import SamplingParams
 
 CATEGORIES = ("code", "code_edit", "extract", "json", "chat", "creative")
-METHODS = ("none", "draft", "lookup", "suffix", "auto")  # what --methods compares
-FIXED = ("draft", "lookup", "suffix")  # the methods with a fixed k (auto is compared with the best of them)
+METHODS = ("none", "draft", "lookup", "ngram", "suffix", "auto")  # what --methods compares
+FIXED = ("draft", "lookup", "ngram", "suffix")  # the methods with a fixed k (auto is compared with the best of them)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from localspec.core.generation import Finished, Generation, check_bias, check_pr
 from localspec.core.policy import build_policy
 from localspec.core.response import Response
 from localspec.drafters import PromptLookupDrafter, chained
+from localspec.drafters.ngram_cache import NgramCacheDrafter
 from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import UsageError
 from localspec.knobs import knobs
@@ -99,6 +100,7 @@ class BatchEngine(PassShapes):
         self.n_ctx = self.ms.n_ctx
         self.runs: list[_Run | None] = [None] * n_slots
         self.lookups: list[PromptLookupDrafter | None] = [None] * n_slots
+        self.ngrams: list[NgramCacheDrafter | None] = [None] * n_slots
         self.suffixes: list = [None] * n_slots  # each slot's suffix drafter, over the process's shared corpus
         self.controller_state: dict = {}
         self._exact: ProbeResult | None = None
@@ -266,6 +268,8 @@ class BatchEngine(PassShapes):
             if d is None or (d.n_min, d.n_max) != (cfg.lookup_min, cfg.lookup_max):
                 d = self.lookups[seq] = PromptLookupDrafter(cfg.lookup_min, cfg.lookup_max)
             drafters = {"lookup": d} if method in ("auto", "lookup") else {}
+            if method in ("auto", "ngram"):
+                drafters["ngram"] = self.ngrams[seq] = self.ngrams[seq] or NgramCacheDrafter()
             if method in ("auto", "suffix"):
                 drafters["suffix"] = self._suffix_drafter(seq)
                 drafters["suffix"].beside_lookup = "lookup" in drafters
@@ -288,8 +292,8 @@ class BatchEngine(PassShapes):
         if "draft" in policy.drafters:
             drafts = self.drafts if self.drafts is not None else self.xvocab
             stats.draft_rollback = drafts.rollback_kind if drafts is not None else "kv"
-        if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "suffix"}:
-            why = "batched: auto speculates with prompt lookup and the suffix cache"
+        if method == "auto" and label != "none" and not set(policy.drafters) - {"lookup", "ngram", "suffix"}:
+            why = "batched: auto speculates with prompt lookup, the n-gram cache and the suffix cache"
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
         stats.prompt_tokens = len(prompt)
         stats.cached_prompt_tokens = common

@@ -21,6 +21,7 @@ from localspec.core.response import Response
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
 from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, chained
+from localspec.drafters.ngram_cache import NgramCacheDrafter
 from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
@@ -40,6 +41,7 @@ class Engine:
         self.target = target
         self.draft = draft
         self._lookup: PromptLookupDrafter | None = None
+        self._ngram: NgramCacheDrafter | None = None
         self._draft_drafter: Drafter | None = None
         self._suffix: Drafter | None = None
         # whose earlier text the suffix drafter may draft from: "" the user's own (run, chat, serve without a key);
@@ -244,6 +246,8 @@ class Engine:
         out: dict[str, Drafter] = {}
         if method in ("auto", "lookup"):
             out["lookup"] = self.lookup_drafter(cfg)
+        if method in ("auto", "ngram"):
+            out["ngram"] = self._ngram = self._ngram or NgramCacheDrafter()
         if method in ("auto", "suffix"):
             out["suffix"] = self.suffix_drafter()
             out["suffix"].beside_lookup = "lookup" in out

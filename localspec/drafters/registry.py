@@ -9,12 +9,14 @@ from localspec.drafters.draft_model import DraftModelDrafter
 from localspec.drafters.dspark import DSparkDrafter
 from localspec.drafters.eagle3 import Eagle3Drafter
 from localspec.drafters.mtp import MtpDrafter
+from localspec.drafters.ngram_cache import NgramCacheDrafter
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 from localspec.drafters.suffix import SuffixDrafter
 
 KINDS: dict[str, type] = {
     "draft": DraftModelDrafter,  # a separate draft GGUF with the target's vocabulary
     "lookup": PromptLookupDrafter,  # n-grams of the prompt and answer so far
+    "ngram": NgramCacheDrafter,  # llama.cpp's n-gram cache: the continuation counted most often, in prompt and answer
     "suffix": SuffixDrafter,  # earlier prompts and answers: this request's, this process's and earlier sessions'
     "eagle3": Eagle3Drafter,  # llama.cpp's EAGLE-3 head (-d HEAD.gguf of arch eagle3) on the target's hidden states
     "mtp": MtpDrafter,  # the target's own MTP (nextn) layers, found in the target GGUF

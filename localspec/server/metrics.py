@@ -5,7 +5,7 @@ them read these: `localspec:spec_decode_num_drafts_total`, `..._num_draft_tokens
 `..._num_accepted_tokens_total`, `..._num_accepted_tokens_per_pos_total{position}` (counters get `_total` in the
 exposition, as vLLM's do), the drafts, drafted and accepted tokens of each drafting source
 (`..._num_drafts_by_drafter_total{drafter}`, `..._num_draft_tokens_by_drafter_total{drafter}`,
-`..._num_accepted_tokens_by_drafter_total{drafter}`; drafter: lookup, suffix, draft or a head's kind), request outcomes, the queue, time to first token and inter-token latency. Each app has its
+`..._num_accepted_tokens_by_drafter_total{drafter}`; drafter: lookup, ngram, suffix, draft or a head's kind), request outcomes, the queue, time to first token and inter-token latency. Each app has its
 own registry (several apps may live in one process: the tests).
 """
 
@@ -62,7 +62,7 @@ class Metrics:
         self.drafted_per_pos = Counter(P + "spec_decode_num_draft_tokens_per_pos",
                                        "Tokens drafted, by position in the draft (0 = first).", ["position"],
                                        registry=r)
-        # the same figures per drafting source (lookup, suffix, draft, a head): which one drafted and what it got
+        # the same figures per drafting source (lookup, ngram, suffix, draft, a head): which one drafted and what it got
         self.drafts_by = Counter(P + "spec_decode_num_drafts_by_drafter",
                                  "Target passes that verified drafted tokens, by the drafter that drafted them.",
                                  ["drafter"], registry=r)

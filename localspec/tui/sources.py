@@ -1,4 +1,4 @@
-"""How each drafting source (lookup, suffix, the draft model, a head) drafts, for the stats panel: the kind of a
+"""How each drafting source (lookup, ngram, suffix, the draft model, a head) drafts, for the stats panel: the kind of a
 draft model is the engine's draft_kind, the field `run --json` reports, put in the words `models pairs` uses."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from localspec.defaults import HEAD_KINDS
 from localspec.models.local import HOW_WORDS
 
-MODEL_FREE = "model-free"  # drafts from text already seen (prompt lookup, the suffix cache): no model runs
+MODEL_FREE = "model-free"  # drafts from text already seen (prompt lookup, the n-gram cache, the suffix cache): no model runs
 
 
 def source_kind(source: str, draft_kind: str | None) -> str:
