@@ -18,7 +18,7 @@ def bench(
     model: ModelOpt = None,
     draft: DraftOpt = None,
     prompts: Annotated[Optional[Path], typer.Option("--prompts", help="JSON lines {id, category, prompt}; default: the built-in set.", show_default=False)] = None,
-    methods: Annotated[str, typer.Option("--methods", help="Comma-separated: none,draft,lookup,suffix,auto.")] = "none,draft,lookup,auto",
+    methods: Annotated[str, typer.Option("--methods", help="Comma-separated: none,draft,lookup,ngram,suffix,auto.")] = "none,draft,lookup,auto",
     ks: Annotated[str, typer.Option("--k", help="Comma-separated k values.")] = "2,4,8",
     max_tokens: Annotated[int, typer.Option("-n", "--max-tokens", help="Tokens per answer.")] = 128,
     repeat: Annotated[int, typer.Option("--repeat", help="Runs of each configuration per prompt.")] = 1,
