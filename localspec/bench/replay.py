@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.chain import chained
-from localspec.drafters.ngram_cache import N_MAX, NgramCacheDrafter, count_next, passes
+from localspec.drafters.ngram_cache import NgramCacheDrafter, count_next, draft_next
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
 from localspec.defaults import SUFFIX_CACHE_TOKENS
@@ -125,14 +125,7 @@ class NativeLookupModel(NgramCacheDrafter):
 
     def next_token(self, seq: Sequence[int]) -> tuple[int | None, int]:
         tok, n = super().next_token(seq)
-        if tok is not None or not self.dynamic:
-            return tok, n
-        for n in range(N_MAX, 0, -1):
-            if len(seq) >= n:
-                tok = passes(self.dynamic.get(tuple(seq[-n:])), self.STRICT[n])
-                if tok is not None:
-                    return tok, n
-        return None, 0
+        return (tok, n) if tok is not None else draft_next(self.dynamic, self.STRICT, seq)
 
 
 def _draft_cost(drafter, n: int) -> float:

@@ -62,6 +62,17 @@ def passes(part: dict[int, int] | None, bound: tuple[int, int]) -> int | None:
     return best if total >= bound[0] and 100 * top >= bound[1] * total else None
 
 
+def draft_next(counts: Counts, bounds: dict[int, tuple[int, int]], seq: Sequence[int]) -> tuple[int | None, int]:
+    """(the token `counts` draft after `seq` from its longest n-gram whose counts pass `bounds`, that n); (None, 0):
+    none passes."""
+    for n in range(N_MAX, 0, -1):
+        if len(seq) >= n:
+            tok = passes(counts.get(tuple(seq[-n:])), bounds[n])
+            if tok is not None:
+                return tok, n
+    return None, 0
+
+
 class NgramCacheDrafter(Drafter):
     name = "ngram"
     shadowed = True
@@ -84,12 +95,7 @@ class NgramCacheDrafter(Drafter):
 
     def next_token(self, seq: Sequence[int]) -> tuple[int | None, int]:
         """(the token the counts draft after `seq`, the n of the n-gram that drafted it); (None, 0): none passes."""
-        for n in range(N_MAX, 0, -1):
-            if len(seq) >= n:
-                tok = passes(self._counts.get(tuple(seq[-n:])), BOUNDS[n])
-                if tok is not None:
-                    return tok, n
-        return None, 0
+        return draft_next(self._counts, BOUNDS, seq)
 
     def offer(self, context: Sequence[int], k: int) -> Offer | None:
         """A draft where the counts support a first token, judged by the n-gram that supports it ("ngram@4" ..
