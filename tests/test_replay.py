@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from localspec.bench import replay as R
+from localspec.defaults import SUFFIX_CACHE_TOKENS
+from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
 
 TRACES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "qwen_coder_traces.json")
 
@@ -330,3 +332,66 @@ def test_the_repeated_work_series_is_no_slower_than_native_lookup_with_its_dynam
         return sum(runs[name][i][0] for i in ids) / sum(runs[name][i][1] for i in ids)
     ratios = {g: rate("auto", ids) / rate("native lookup k=3 -lcd", ids) for g, ids in groups.items()}
     assert all(r >= 1.0 for r in ratios.values()), ratios
+
+
+SERIES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "repeated_work_traces.json")
+
+
+def series_drafters(upto: int) -> dict:
+    """The drafters `auto` has on the series' request `upto`: the model-free ones and the suffix cache of the ones before."""
+    docs = [Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]]) for i, tr in enumerate(SERIES[:upto])]
+    return {**R.model_free(), "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, docs), beside_lookup=True)}
+
+
+@pytest.mark.parametrize("curve_name", ["avx2", "avx512", "epyc-steep", "flat"])
+def test_no_policy_beats_the_best_possible(curve_name):
+    """best_possible() bounds every controller choosing among the same drafters, and native lookup without -lcd
+    (whose drafts are the n-gram cache's): it is the figure to judge a controller's losses by."""
+    curve = R.CURVES[curve_name]
+    for tr in TRACES + SERIES[:6]:
+        bound = R.best_possible(tr, R.model_free(), curve)
+        for make in (R.auto(curve, 4, 2), R.auto(curve, 4, None), R.native_lookup(3), R.lookup(4), R.plain()):
+            assert R.replay(tr, make, curve)["rate"] <= bound * (1 + 1e-9), tr["id"]
+    best = R.best_possible(TRACES[0], R.model_free(), curve)
+    assert best > R.replay(TRACES[0], R.plain(), curve)["rate"]  # the answer copies: a bound above plain
+
+
+def test_a_forced_step_drafts_its_drafter_s_proposal_and_keeps_what_is_accepted():
+    """A forced step costs its k's verify whatever is accepted; a forced plain step costs one row."""
+    curve = R.CURVES["avx2"]
+    tr = {"id": "t", "prompt": [1, 2, 3, 1, 2, 3, 1, 2], "output": [3, 9, 9, 9]}
+    # the output's first token 3 comes from the prompt's pass; at position 1 lookup proposes 1, 2 (wrong): all plain
+    assert R.best_possible(tr, R.model_free(), curve) == pytest.approx(3 / (3 * R.T1))
+    forced = R.best_possible(tr, R.model_free(), curve, forced={1: ("lookup", 2)})
+    assert forced == pytest.approx(3 / (R.step_cost(curve, 3) + 2 * R.T1))
+
+
+def test_two_requests_ask_opposite_choices_of_the_same_evidence_on_the_avx512_curve():
+    """Why `auto` cannot be held to 0.97x the better of plain and native `llama-lookup` k=3 on every prompt of every
+    curve: two commit messages of the repeated-work series reach their first offer with the same evidence (nothing
+    offered before it, the n-gram cache alone offering, after one token counted twice with one continuation, in a new
+    request whose controller has judged nothing yet). On the AVX-512 curve the first needs 3 tokens drafted there and
+    the second none, even by a controller that knows the rest of the answer (best_possible)."""
+    curve = R.CURVES["avx512"]
+    runs = R.series(SERIES, curve)
+    index = {tr["id"]: i for i, tr in enumerate(SERIES)}
+    need = {}
+    for tid in ("13-control", "15-control"):
+        i = index[tid]
+        tr, drafters = SERIES[i], series_drafters(i)
+        prompt, out = [int(t) for t in tr["prompt"]], [int(t) for t in tr["output"]]
+        for d in drafters.values():
+            d.begin(prompt)
+        offers, pos = {}, 0
+        for pos in range(1, len(out)):
+            ctx = prompt + out[:pos]
+            offers = {name: o.key for name, d in drafters.items() if (o := d.offer(ctx, 4)) is not None}
+            if offers:
+                break
+        ngram = drafters["ngram"]
+        part = ngram._counts[tuple(prompt + out[:pos])[-1:]]
+        assert offers == {"ngram": "ngram@1"} and list(part.values()) == [2], (tid, offers, part)
+        best = max(runs[n][tid][0] / runs[n][tid][1] for n in ("plain", "native lookup k=3"))
+        need[tid] = [k for k in range(5)
+                     if R.best_possible(tr, series_drafters(i), curve, forced={pos: ("ngram", k)}) >= 0.97 * best]
+    assert need == {"13-control": [3], "15-control": [0]}

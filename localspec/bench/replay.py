@@ -32,7 +32,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy
+from localspec.core.policy import AdaptivePolicy, FixedPolicy, Policy, repeat_k
 from localspec.drafters.base import Drafter, Proposal
 from localspec.drafters.chain import chained
 from localspec.drafters.ngram_cache import NgramCacheDrafter, count_next, draft_next
@@ -196,6 +196,47 @@ def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None
     return out
 
 
+def best_possible(trace: dict, drafters: dict[str, Drafter], curve: dict[int, float], k_max: int = 4,
+                  n: int | None = None, forced: dict[int, tuple[str | None, int]] | None = None) -> float:
+    """Tokens/s no controller choosing among `drafters` can beat on `trace` (simulated, as replay()): every step it
+    drafts exactly the part of some drafter's proposal the target then accepts (it knows the answer), up to k_max
+    tokens (repeat_k(k_max) for an offer that repeats earlier text, as `auto` allows), or takes a plain step.
+    `forced`: answer position -> (drafter name, k) for steps whose choice is fixed (None or k = 0: a plain step);
+    such a step drafts that drafter's k-token proposal and keeps what the target accepts of it."""
+    prompt = [int(t) for t in trace["prompt"]]
+    out = [int(t) for t in trace["output"]][:n]
+    forced = forced or {}
+    for d in drafters.values():
+        d.begin(prompt)
+    reach: list[int] = [0] * len(out)  # the longest accepted draft any drafter offers at each position
+    fixed: dict[int, tuple[int, int]] = {}  # forced position -> (k drafted, accepted)
+    for i in range(1, len(out)):
+        ctx = prompt + out[:i]
+        for name, d in drafters.items():
+            offer = d.offer(ctx, repeat_k(k_max))
+            cap = 0 if offer is None else (offer.k if offer.repeat else min(offer.k, k_max))
+            want = forced.get(i)
+            k = min(want[1] if (want and want[0] == name) else (0 if want else cap), len(out) - i - 1)
+            if k <= 0:
+                continue
+            tokens = d.propose(ctx, k, None, None).tokens
+            a = 0
+            while a < len(tokens) and tokens[a] == out[i + a]:
+                a += 1
+            if want:
+                fixed[i] = (len(tokens), a)
+            else:
+                reach[i] = max(reach[i], a)
+    best = [0.0] * (len(out) + 1)  # seconds from each position to the end, at best
+    for i in range(len(out) - 1, 0, -1):
+        if i in forced:
+            k, a = fixed.get(i, (0, 0))
+            best[i] = step_cost(curve, k + 1) + best[i + a + 1]
+            continue
+        best[i] = min(step_cost(curve, a + 1) + best[i + a + 1] for a in range(reach[i] + 1))
+    return (len(out) - 1) / best[1] if len(out) > 1 else 0.0
+
+
 def _with_trace(make: Callable[[dict], Policy]) -> Callable[[dict], Policy]:
     make.wants_trace = True  # replay() hands it the trace whose recorded proposals it drafts from
     return make
@@ -254,7 +295,8 @@ def leviathan(a: float, k: int, curve: dict[int, float], draft_cost: float) -> f
 
 def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
           draft_cost: float | None = None) -> dict[str, dict[str, float]]:
-    """Speedup over plain per config and trace id."""
+    """Speedup over plain per config and trace id, and the most any controller with the model-free drafters could reach
+    (best_possible)."""
     configs = {"plain": plain(), **{f"lookup k={k}": lookup(k) for k in (1, 2, 3, 4, 8)},
                "native lookup k=3": native_lookup(3),
                "auto (bit cap 2)": auto(curve, 4, 2), "auto (lossless)": auto(curve, 4, None)}
@@ -263,8 +305,11 @@ def table(traces: Sequence[dict], curve: dict[int, float], n: int | None = None,
         configs.update({f"{name} k={k}": fixed_recorded(name, k, draft_cost) for k in (1, 2, 3, 4, 8) if k <= longest})
         configs[f"auto+{name} (lossless)"] = auto_recorded(name, curve, min(max(longest, 1), 8), None, draft_cost)
     base = {tr["id"]: replay(tr, plain(), curve, n)["rate"] for tr in traces}
-    return {name: {tr["id"]: replay(tr, mk, curve, n)["rate"] / base[tr["id"]] for tr in traces}
+    rows = {name: {tr["id"]: replay(tr, mk, curve, n)["rate"] / base[tr["id"]] for tr in traces}
             for name, mk in configs.items()}
+    rows["best possible (model-free)"] = {tr["id"]: best_possible(tr, model_free(), curve, n=n) / base[tr["id"]]
+                                          for tr in traces}
+    return rows
 
 
 def record(engine, prompts: Sequence[dict], max_tokens: int = 160, drafter: str | None = None, k: int = 8,
