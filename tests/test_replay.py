@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from localspec.bench import replay as R
-from localspec.defaults import SUFFIX_CACHE_TOKENS
-from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
+from localspec.drafters.suffix import Doc
 
 TRACES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "qwen_coder_traces.json")
 
@@ -339,8 +338,8 @@ SERIES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "r
 
 def series_drafters(upto: int) -> dict:
     """The drafters `auto` has on the series' request `upto`: the model-free ones and the suffix cache of the ones before."""
-    docs = [Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]]) for i, tr in enumerate(SERIES[:upto])]
-    return {**R.model_free(), "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, docs), beside_lookup=True)}
+    return R.cached_drafters([Doc(f"series-{i}", float(i), [int(t) for t in tr["prompt"] + tr["output"]])
+                              for i, tr in enumerate(SERIES[:upto])])
 
 
 @pytest.mark.parametrize("curve_name", ["avx2", "avx512", "epyc-steep", "flat"])
@@ -392,6 +391,8 @@ def test_two_requests_ask_opposite_choices_of_the_same_evidence_on_the_avx512_cu
         part = ngram._counts[tuple(prompt + out[:pos])[-1:]]
         assert offers == {"ngram": "ngram@1"} and list(part.values()) == [2], (tid, offers, part)
         best = max(runs[n][tid][0] / runs[n][tid][1] for n in ("plain", "native lookup k=3"))
+        same = ("plain", "lookup k=3", "native lookup k=3", "auto, no cache", "auto")  # drafting from auto's drafters
+        assert runs["best possible"][tid][1] <= min(runs[n][tid][1] for n in same)  # the series' own bound
         need[tid] = [k for k in range(5)
                      if R.best_possible(tr, series_drafters(i), curve, forced={pos: ("ngram", k)}) >= 0.97 * best]
     assert need == {"13-control": [3], "15-control": [0]}

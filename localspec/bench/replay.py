@@ -164,18 +164,19 @@ def auto_cached(curve: dict[int, float], docs: Sequence[Doc], k_max: int = 4,
                 bit_cap: int | None = 2) -> Callable[[], Policy]:
     """`auto` as `localspec run` builds it with the suffix cache: prompt lookup and the suffix drafter over `docs`
     (earlier requests' prompts and answers)."""
-    def make() -> Policy:
-        drafters = {**model_free(),
-                    "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, list(docs)), beside_lookup=True)}
-        return AdaptivePolicy(drafters, k_max, {}, None, dict(curve), bit_cap=bit_cap)
+    return lambda: AdaptivePolicy(cached_drafters(docs), k_max, {}, None, dict(curve), bit_cap=bit_cap)
 
-    return make
+
+def cached_drafters(docs: Sequence[Doc]) -> dict[str, Drafter]:
+    """The model-free drafters and the suffix cache over `docs`, as `auto` has them with earlier requests cached."""
+    return {**model_free(), "suffix": SuffixDrafter(SuffixCorpus(SUFFIX_CACHE_TOKENS, list(docs)), beside_lookup=True)}
 
 
 def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None) -> dict[str, dict[str, list]]:
     """The traces sent in order by one user: each answer (prompt and output) is cached for the ones after it, by
     `auto`'s suffix cache and by native lookup's -lcd file. Per config ("plain", "lookup k=3", "native lookup k=3",
-    "native lookup k=3 -lcd", "auto, no cache", "auto") and trace id: [tokens timed, seconds]."""
+    "native lookup k=3 -lcd", "auto, no cache", "auto", and "best possible" with auto's drafters) and trace id: [tokens
+    timed, seconds]."""
     dynamic: dict[tuple, dict[int, int]] = {}  # the -lcd file: every earlier run's counts, merged
     configs = {"plain": lambda docs: plain(), "lookup k=3": lambda docs: lookup(3),
                "native lookup k=3": lambda docs: native_lookup(3),
@@ -188,6 +189,8 @@ def series(traces: Sequence[dict], curve: dict[int, float], n: int | None = None
         for name, make in configs.items():
             r = replay(tr, make(docs), curve, n)
             out[name][tr["id"]] = [timed, timed / r["rate"] if r["rate"] else 0.0]
+        best = best_possible(tr, cached_drafters(docs), curve, n=n)
+        out.setdefault("best possible", {})[tr["id"]] = [timed, timed / best if best else 0.0]
         seen = [int(t) for t in tr["prompt"] + tr["output"][:n]]
         docs.append(Doc(f"series-{i}", float(i), seen))
         ran: list[int] = []
