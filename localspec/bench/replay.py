@@ -21,6 +21,9 @@ the native cache declines and misses the ones it takes after a single token.
 (a script run again, an agent repeating itself), and `auto` drafts from that cache beside prompt lookup, as native
 lookup with -lcd drafts from the counts of the runs before; an id of the form N-GROUP is also totalled per GROUP
 (benchmarks/repeated_work.py records such a series).
+
+best_possible() is the most any controller with the same drafters could reach on a trace, knowing the answer: the last
+row of both tables, and what `auto` pays to learn a request is its distance under it.
 """
 
 from __future__ import annotations
