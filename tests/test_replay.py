@@ -396,3 +396,28 @@ def test_two_requests_ask_opposite_choices_of_the_same_evidence_on_the_avx512_cu
         need[tid] = [k for k in range(5)
                      if R.best_possible(tr, series_drafters(i), curve, forced={pos: ("ngram", k)}) >= 0.97 * best]
     assert need == {"13-control": [3], "15-control": [0]}
+
+
+BENCH = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "bench_prompt_traces.json")
+
+
+def per_category(make, curve) -> dict[str, float]:
+    """Seconds per category of `localspec bench`'s prompts (ids CATEGORY-N) under a policy, replayed on a curve."""
+    out: dict[str, float] = {}
+    for tr in BENCH:
+        r = R.replay(tr, make, curve)["rate"]
+        cat = tr["id"].rsplit("-", 1)[0]
+        out[cat] = out.get(cat, 0.0) + (len(tr["output"]) - 1) / r
+    return out
+
+
+@pytest.mark.parametrize("curve_name", ["avx2", "avx512", "epyc", "epyc-steep", "flat"])
+def test_auto_keeps_the_speed_rule_per_bench_category(curve_name):
+    """`localspec bench`'s 30 prompts (greedy answers of Qwen2.5-Coder-1.5B, 96 tokens): per category, `auto` as shipped
+    at least 0.97x plain and 0.97x native `llama-lookup` k=3 on every curve, the rule `localspec bench` measures."""
+    curve = R.CURVES[curve_name]
+    plain, auto, native = (per_category(m, curve) for m in (R.plain(), R.auto(curve, 4, 2), R.native_lookup(3)))
+    assert len(plain) == 6
+    low = {c: (round(plain[c] / auto[c], 3), round(native[c] / auto[c], 3)) for c in plain
+           if auto[c] > plain[c] / 0.97 or auto[c] > native[c] / 0.97}
+    assert not low, low
