@@ -41,6 +41,7 @@ from localspec.drafters.chain import chained
 from localspec.drafters.ngram_cache import NgramCacheDrafter, count_next, draft_next
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
 from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
+from localspec.seq import common_prefix
 from localspec.defaults import SUFFIX_CACHE_TOKENS
 
 # T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
@@ -93,9 +94,7 @@ def replay(trace: dict, make_policy: Callable[..., Policy], curve: dict[int, flo
         drafter, k = policy.choose(ctx)
         k = max(0, min(k, len(out) - i - 1))
         tokens = drafter.propose(ctx, k, None, None).tokens if (drafter is not None and k > 0) else []
-        n_acc = 0
-        while n_acc < len(tokens) and tokens[n_acc] == out[i + n_acc]:
-            n_acc += 1
+        n_acc = common_prefix(tokens, out[i:])
         cost = step_cost(curve, len(tokens) + 1)
         t_draft = _draft_cost(drafter, len(tokens)) * T1
         t += cost + t_draft
@@ -217,18 +216,18 @@ def best_possible(trace: dict, drafters: dict[str, Drafter], curve: dict[int, fl
     reach: list[int] = [0] * len(out)  # the longest accepted draft any drafter offers at each position
     fixed: dict[int, tuple[int, int]] = {}  # forced position -> (k drafted, accepted)
     for i in range(1, len(out)):
-        ctx = prompt + out[:i]
+        ctx, want, left = prompt + out[:i], forced.get(i), len(out) - i - 1
         for name, d in drafters.items():
-            offer = d.offer(ctx, repeat_k(k_max))
-            cap = 0 if offer is None else (offer.k if offer.repeat else min(offer.k, k_max))
-            want = forced.get(i)
-            k = min(want[1] if (want and want[0] == name) else (0 if want else cap), len(out) - i - 1)
+            if want:  # only the forced drafter drafts here, its k whatever it offers
+                k = want[1] if want[0] == name else 0
+            else:
+                offer = d.offer(ctx, repeat_k(k_max))
+                k = 0 if offer is None else (offer.k if offer.repeat else min(offer.k, k_max))
+            k = min(k, left)
             if k <= 0:
                 continue
             tokens = d.propose(ctx, k, None, None).tokens
-            a = 0
-            while a < len(tokens) and tokens[a] == out[i + a]:
-                a += 1
+            a = common_prefix(tokens, out[i:])
             if want:
                 fixed[i] = (len(tokens), a)
             else:
@@ -285,9 +284,7 @@ def alpha(traces: Sequence[dict], name: str, n: int | None = None) -> float:
         out = [int(t) for t in tr["output"]][:n]
         for i, prop in enumerate(tr["proposals"][name][:len(out) - 1], 1):
             prop = prop[:len(out) - i]
-            a = 0
-            while a < len(prop) and prop[a] == out[i + a]:
-                a += 1
+            a = common_prefix(prop, out[i:])
             acc, rej = acc + a, rej + (a < len(prop))
     return acc / (acc + rej) if acc + rej else 0.0
 
