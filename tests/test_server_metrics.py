@@ -91,6 +91,27 @@ def test_a_prompt_longer_than_the_context_is_a_client_error_not_a_failure(open_a
     assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_bias_banning_every_token_is_a_client_error_not_a_failure(open_api, stream):
+    """A request refused for what it asked, found only as its generation starts (a logit_bias that leaves no token),
+    is the client's error: /health and requests_total count it as client_error, not as a failed generation."""
+    import json
+
+    ban = {str(t): -100 for t in range(open_api.session.engine.target.n_vocab)}
+    before, health = scrape(open_api), open_api.health()["generations"]
+    status, _, err = open_api.raw("POST", "/v1/chat/completions", json.dumps({
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logit_bias": ban, "stream": stream}))
+    assert status == 400 and err["error"]["param"] == "logit_bias", err
+    after, health2 = scrape(open_api), open_api.health()["generations"]
+
+    def d(outcome):
+        return v(after, "localspec:requests_total", outcome=outcome) - \
+            v(before, "localspec:requests_total", outcome=outcome)
+
+    assert d("failed") == 0 and d("client_error") == 1
+    assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
+
+
 def test_every_outcome_shows_from_the_start(session):
     from localspec.server.config import ServerConfig
 

@@ -72,10 +72,34 @@ def test_responses_stream_events(open_api):
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "temperature": 3}, "temperature"),
+    ({"input": "hi", "n": 2}, "n"),
+    ({"input": "hi", "n": 2, "stream": True}, "n"),
+    ({"input": "hi", "n": 0}, "n"),
 ])
 def test_bad_responses_requests_are_400(open_api, body, param):
     status, _, err = open_api.raw("POST", "/v1/responses", json.dumps(body))
     assert status == 400 and err["error"]["param"] == param, err
+
+
+def test_n_is_refused_with_one_line_and_n_1_is_served(open_api):
+    """The Responses API has no n (a response holds one answer): n other than 1 is a 400 naming n that says where
+    several answers come from, never a 500; n 1 asks for what the API gives anyway."""
+    status, _, err = open_api.raw("POST", "/v1/responses", json.dumps({"input": "hi", "n": 3, "max_output_tokens": 2}))
+    assert status == 400 and err["error"]["param"] == "n" and err["error"]["type"] == "invalid_request_error", err
+    assert "/v1/chat/completions" in err["error"]["message"] and "\n" not in err["error"]["message"]
+    status, _, body = open_api.raw("POST", "/v1/responses", json.dumps({"input": "hi", "n": 1, "max_output_tokens": 2}))
+    assert status == 200 and body["object"] == "response" and body["output"][0]["type"] == "message", body
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/chat/completions"])
+@pytest.mark.parametrize("method,words", [("eagle3", "an EAGLE-3 draft head"), ("dflash", "a DFlash draft head")])
+def test_a_method_whose_head_is_not_loaded_is_a_400_that_reads_as_a_sentence(open_api, path, method, words):
+    """The server names what is missing in its own words: no draft head is loaded here, and no flag can give one."""
+    body = {"input": "hi"} if path == "/v1/responses" else {"messages": [{"role": "user", "content": "hi"}]}
+    status, _, err = open_api.raw("POST", path, json.dumps({**body, "localspec": {"method": method}}))
+    assert status == 400 and err["error"]["param"] == "localspec.method", err
+    assert err["error"]["message"] == (f"localspec.method {method} needs {words} (none is loaded on this "
+                                       "server)"), err
 
 
 @pytest.mark.parametrize("value", [0, -1])

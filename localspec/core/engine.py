@@ -274,7 +274,9 @@ class Engine:
                                    "method")
             from localspec.models.gguf_header import HEAD_NAMES
 
-            raise SettingError(f"{{method}} {cfg.method} needs {HEAD_NAMES[cfg.method]}: give one with {{draft}}",
+            # {draft} is worded by each front end ("-d PATH ..." on the command line, "none is loaded on this
+            # server" by the API): it stands in parentheses, where an instruction and a statement both read
+            raise SettingError(f"{{method}} {cfg.method} needs {HEAD_NAMES[cfg.method]} ({{draft}})",
                                ("method", "draft"))
         return cfg.method
 

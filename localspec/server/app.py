@@ -105,7 +105,6 @@ class Generations:
                              speculative=self.base.get("method", "auto") != "none")
         self.metrics = None if cfg.no_metrics else Metrics(self.name, self.worker)
         self.worker.metrics = self.metrics
-        self.worker.counts.setdefault("client_error", 0)
 
     def client_error(self) -> None:
         """Count a request refused for what it asked (metrics.OUTCOMES): not a failed generation."""
@@ -176,7 +175,8 @@ class Generations:
     async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
                   stream=None, logprobs=None, constraint=None, constraint_again=None):
         """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
-        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions'.
+        `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions' (one
+        answer: the endpoint that has its own, /v1/responses, takes no n).
         `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
         `constraint`: the grammar of a forced tool call (server/tools.py)."""
         cfg = self.gen_config(req, constraint)
@@ -235,10 +235,6 @@ class Generations:
                                  "total_tokens": body["usage"]["prompt_tokens"] + done}
                 body["localspec"] = {**body["localspec"], "choices": [b["localspec"] for b in bodies]}
             return JSONResponse(body)
-        if n > 1 and stream is not None:
-            for job in jobs:
-                job.cancel.set()
-            raise APIError(400, "n > 1 is not streamed on this endpoint; send stream: false", param="n")
         if n == 1:
             splitter = T.ToolStream(tools) if tools is not None else None
             body = (stream(jobs[0], firsts[0], cfg, cid, now) if stream is not None

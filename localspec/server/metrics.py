@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 P = "localspec:"
-# client_error: refused for what the request asked (a prompt longer than the context), not a failure of the server
+# client_error: refused for what the request asked (a prompt longer than the context, a logit_bias that bans every
+# token), before or as its generation starts, not a failure of the server
 OUTCOMES = ("completed", "cancelled", "failed", "rejected", "client_error")
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)

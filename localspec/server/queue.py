@@ -89,7 +89,7 @@ class Worker:
         self.waiting = 0  # queued, not started
         self.current: Job | None = None
         self.closing = False  # shutting down: no new work, open requests answered "shutting down"
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0}
+        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "client_error": 0}
         self.recent_s: deque = deque(maxlen=16)  # durations of recent generations (for Retry-After)
         self._held: Job | None = None  # a job for the single-sequence path, waiting for the batch to empty
         self._thread = threading.Thread(target=self._run if self.batch is None else self._run_batched,
@@ -325,7 +325,11 @@ class Worker:
                 self._failed(job, exc)
 
     def _failed(self, job: Job, exc: Exception) -> None:
-        self._count("failed")
+        # a request refused for what it asked (a logit_bias that leaves no token, a prompt the context cannot hold)
+        # is the client's error, found only once its generation starts: counted as such, not as a failed generation
+        # (which is what alerts watch)
+        client = isinstance(exc, (UsageError, ContextOverflowError)) or (isinstance(exc, APIError) and exc.status < 500)
+        self._count("client_error" if client else "failed")
         if isinstance(exc, UsageError):
             job.post(setting_error(exc))
         elif isinstance(exc, ContextOverflowError):

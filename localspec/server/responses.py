@@ -5,7 +5,7 @@ list of message items with text parts, `function_call` items and `function_call_
 answer's calls come back as `function_call` output items. Streamed with the events clients read
 (`response.created`, `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
 `response.output_text.delta`, `response.function_call_arguments.delta`, `...done`, `response.completed`). Not kept
-server-side (`previous_response_id` is a 400)."""
+server-side (`previous_response_id` is a 400). One answer per response, as upstream: `n` other than 1 is a 400."""
 
 from __future__ import annotations
 
@@ -104,6 +104,11 @@ def messages_of(req: ResponsesRequest) -> list[dict]:
     so a 400 names the field the client sent (max_output_tokens, not the max_tokens it becomes)."""
     if req.max_output_tokens is not None and req.max_output_tokens < 1:
         raise APIError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}", param="max_output_tokens")
+    # a response holds one answer (the Responses API has no n): several answers are several requests, or chat
+    # completions' n; refused here, before anything queues, rather than answered in a shape no client reads
+    if req.n is not None and req.n != 1:
+        raise APIError(400, f"n is not a Responses API parameter (a response holds one answer), got {req.n}; send "
+                            "one request per answer, or use /v1/chat/completions with n", param="n")
     if req.previous_response_id is not None:
         raise APIError(400, "previous_response_id is not supported: this server keeps no responses; send the "
                             "conversation in input", param="previous_response_id")
