@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import N, PROMPTS, check_block_head_in_auto_and_long_prompts, plain_tokens, write_bigram_target, \
-    write_dflash, write_dspark
+from tinyheads import N, PROMPTS, check_block_head_in_auto_and_long_prompts, check_head_width_mismatch, plain_tokens, \
+    write_bigram_target, write_dflash, write_dspark
 
 NATIVE = Path.home() / ".cache" / "localspec-anchor" / "build" / "bin" / "llama-speculative-simple"
 
@@ -223,6 +223,14 @@ def test_unsupported_target_arch_is_one_error_line(heads_dir, dspark_agree):
     assert r.returncode == 1, r.stderr
     lines = [x for x in r.stderr.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "DSpark" in lines[0] and "qwen2" in lines[0], r.stderr
+
+
+def test_a_head_for_another_target_width_is_refused_and_auto_falls_back(heads_dir):
+    """A DSpark head made for a 64-wide target beside a 128-wide one: named at load, as DFlash and EAGLE-3 are."""
+    from localspec.drafters.dspark import DSparkDrafter
+
+    wide = write_bigram_target(heads_dir / "bigram-128.gguf", 7, n_embd=128)
+    check_head_width_mismatch(wide, write_dspark(heads_dir / "dspark-64.gguf", 11), DSparkDrafter, "dflash")
 
 
 # ----------------------------------------------------------------- against llama.cpp

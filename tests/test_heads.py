@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tinyheads import (N, PROMPTS, check_block_head_in_auto_and_long_prompts, plain_tokens, write_bigram_target,
-                       write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp, write_qwen35_mtp)
+from tinyheads import (N, PROMPTS, check_block_head_in_auto_and_long_prompts, check_head_width_mismatch, plain_tokens,
+                       write_bigram_target, write_dflash, write_eagle3, write_glm4moe_mtp, write_mimo2_mtp,
+                       write_qwen35_mtp)
 from tinymodels import greedy_margins, write_model
 
 
@@ -628,7 +629,26 @@ def test_a_method_without_its_head_names_the_head_with_its_article(tmp_path, big
                             "--raw", "hi"], capture_output=True, text=True, env=env, timeout=120)
         lines = [x for x in r.stderr.splitlines() if x.strip()]
         assert r.returncode == 2 and len(lines) == 1, r.stderr
-        assert lines[0].startswith(f"error: --method {method} needs {words}: give one with -d"), lines[0]
+        assert lines[0] == f"error: --method {method} needs {words} (-d PATH or a pair with a draft)", lines[0]
+
+
+# ----------------------------------------------------------------- a head made for another target width
+@pytest.fixture(scope="module")
+def wide_bigram(heads_dir) -> Path:
+    """The bigram target 128 wide: the fabricated heads are made for 64-wide targets."""
+    return write_bigram_target(heads_dir / "bigram-128.gguf", 7, n_embd=128)
+
+
+def test_an_eagle3_head_for_another_target_width_is_refused_and_auto_falls_back(heads_dir, wide_bigram):
+    from localspec.drafters.eagle3 import Eagle3Drafter
+
+    check_head_width_mismatch(wide_bigram, write_eagle3(heads_dir / "eagle3-64.gguf", 11), Eagle3Drafter, "eagle3")
+
+
+def test_a_dflash_head_for_another_target_width_is_refused_and_auto_falls_back(heads_dir, wide_bigram):
+    from localspec.drafters.dflash import DFlashDrafter
+
+    check_head_width_mismatch(wide_bigram, write_dflash(heads_dir / "dflash-64.gguf", 11), DFlashDrafter, "dflash")
 
 
 def test_a_head_of_the_other_kind_is_named_without_a_wrong_article(bigram, agreeing_head, heads_dir):

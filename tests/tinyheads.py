@@ -64,6 +64,49 @@ def check_block_head_in_auto_and_long_prompts(bigram, head_path, drafter_cls, k:
         e.close()
 
 
+def check_head_width_mismatch(target: Path, head: Path, drafter_cls, method: str) -> None:
+    """A head made for a target of another width: its drafter refuses it at load, naming both widths, before any
+    flag is set on the target; under auto the engine leaves it out and decodes as plain decoding; an explicit
+    method is one error line (exit 1) and auto falls back (exit 0), from the command line."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.errors import IncompatibleDraftError
+    from localspec.llama.model import Model
+
+    why = f"{head.name} was trained on a target of hidden size 64, {target.name} has 128"
+    with Model(target, n_ctx=256) as t:
+        with pytest.raises(IncompatibleDraftError) as e:
+            drafter_cls.load(t, head)
+        assert str(e.value) == why
+        t.decode([1, 5, 6])  # no flag was set: the target still decodes
+    with pytest.raises(IncompatibleDraftError, match="hidden size 64"):
+        Engine.load(target, head, n_ctx=512)
+    e = Engine.load(target, head, n_ctx=512, drop_incompatible_draft=True)
+    try:
+        assert e.dropped_draft == why and not e.heads
+        out = e.complete(e.raw_prompt(PROMPTS[0]), GenConfig(method="auto", max_tokens=N)).tokens
+    finally:
+        e.close()
+    assert out == plain_tokens(target, PROMPTS[0])
+    env = {**os.environ, "LOCALSPEC_CONFIG_DIR": str(head.parent / "cfg"), "HF_HUB_OFFLINE": "1"}
+    for args, rc in ((["--method", method], 1), ([], 0)):
+        r = subprocess.run([sys.executable, "-m", "localspec", "run", "-m", str(target), "-d", str(head), *args,
+                            "-n", "4", "--raw", "the cat"], capture_output=True, text=True, timeout=120,
+                           stdin=subprocess.DEVNULL, env=env)
+        assert r.returncode == rc, r.stderr
+        assert "hidden size 64" in r.stderr and "Traceback" not in r.stderr and "batch" not in r.stderr, r.stderr
+        if rc:
+            lines = [x for x in r.stderr.splitlines() if x.strip()]
+            assert len(lines) == 1 and lines[0] == f"error: {why}", r.stderr
+        else:
+            assert r.stdout.strip(), r.stderr
+
+
 def _finish(wr):
     wr.write_header_to_file()
     wr.write_kv_data_to_file()

@@ -65,6 +65,12 @@ class DFlashDrafter(HeadFileDrafter):
         if not self.layer_ids:
             raise IncompatibleDraftError(f"{head.name} names no target layers (dflash.target_layers)")
         heads.check_layer_inp_target(target, self.title, self.layer_ids)  # before any flag is set
+        # llama.cpp's graph fuses the target layers' inputs at the head's own width (fc takes layers x n_embd of
+        # the head), so a head reads only a target as wide as itself: a wider one's rows would not fit its batch
+        self.n_embd_tgt = heads.n_embd_of(target.model_handle)
+        if head.n_embd != self.n_embd_tgt:
+            raise IncompatibleDraftError(f"{head.name} was trained on a target of hidden size {head.n_embd}, "
+                                         f"{target.name} has {self.n_embd_tgt}")
         if heads.n_vocab_of(m) != target.n_vocab:
             raise IncompatibleDraftError(f"{head.name} has a vocabulary of {heads.n_vocab_of(m)} tokens, "
                                          f"{target.name} has {target.n_vocab}")
@@ -75,7 +81,6 @@ class DFlashDrafter(HeadFileDrafter):
         if self.block_size < 2:
             raise IncompatibleDraftError(f"{head.name} has a block size of {self.block_size}: it drafts nothing")
         causal = heads.meta_str(m, "dflash.attention.causal") == "true"
-        self.n_embd_tgt = heads.n_embd_of(target.model_handle)
         self.ctx = heads.HeadContext(m, n_ctx=target.n_ctx, n_batch=target.n_batch, n_threads=target.n_threads,
                                      kv_type=target.kv_type, ctx_other=target.ctx_handle, name=head.name)
         self.tap = self._tap_for(target, tap)
