@@ -25,6 +25,15 @@ EPILOG = (
 )
 
 
+def json_object(sess, engine, fin, stats, cfg, **kw) -> dict:
+    """`run --json`'s object. `draft` names the draft file, a draft head's too: the engine holds a head (EAGLE-3,
+    DFlash, DSpark) on the target's context rather than as a draft model, so its file is the one the session loaded."""
+    d = result_json(fin, stats, engine, cfg, **kw)
+    if d.get("draft") is None and getattr(engine, "draft_kind", None) == "head" and sess.draft_path is not None:
+        d["draft"] = sess.draft_path.name
+    return d
+
+
 def run(
     prompt: Annotated[Optional[str], typer.Argument(help="The prompt. Piped stdin comes first, then a blank line, then PROMPT.", show_default=False)] = None,
     model: ModelOpt = None,
@@ -102,7 +111,7 @@ def run(
                 return
             partial = resp.so_far
             if as_json:
-                d = result_json(None, resp.stats, engine, gen_cfg, interrupted=True, text=partial)
+                d = json_object(sess, engine, None, resp.stats, gen_cfg, interrupted=True, text=partial)
                 out.write(json.dumps(d | {"finish_reason": "error"}) + "\n")
             else:
                 out.write(partial + ("" if partial.endswith("\n") else "\n"))
@@ -133,7 +142,7 @@ def run(
                 if stream:
                     out.write("\n")
                 elif as_json:
-                    out.write(json.dumps(result_json(None, stats, engine, gen_cfg, interrupted=True, text=partial)) + "\n")
+                    out.write(json.dumps(json_object(sess, engine, None, stats, gen_cfg, interrupted=True, text=partial)) + "\n")
                 else:
                     out.write(partial + ("" if partial.endswith("\n") else "\n"))
                 out.flush()
@@ -146,7 +155,7 @@ def run(
         stats = fin.stats
         printed.append(True)
         if as_json:
-            out.write(json.dumps(result_json(fin, stats, engine, gen_cfg)) + "\n")
+            out.write(json.dumps(json_object(sess, engine, fin, stats, gen_cfg)) + "\n")
         elif stream:
             if not fin.text.endswith("\n"):
                 out.write("\n")
