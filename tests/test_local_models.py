@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from helpers import one_error_line
+
 
 def cli(args, home: Path, extra=None):
     env = {**os.environ, "HOME": str(home), **(extra or {})}
@@ -110,14 +112,16 @@ def test_list_local_shows_every_store_with_paths(home):
     r = cli(["models", "list", "--local", "--json"], home)
     assert r.returncode == 0, r.stderr
     rows = {row["name"]: row for row in json.loads(r.stdout)}
-    tags = [n for n in ("ollama:tiny:latest", "ollama:tiny:big") if n in rows]
-    assert len(tags) == 1  # the same blob is listed once
-    assert rows[tags[0]]["source"] == "ollama"
+    tags = ["ollama:tiny:latest", "ollama:tiny:big"]  # two tags of one blob: each is a name -m takes
+    assert all(n in rows for n in tags), sorted(rows)
+    assert {rows[t]["source"] for t in tags} == {"ollama"}
+    assert rows[tags[0]]["target"]["path"] == rows[tags[1]]["target"]["path"]
     assert rows[tags[0]]["target"]["path"].startswith(str(home / ".ollama" / "models" / "blobs"))
     assert rows["someone/tiny-GGUF/tiny-draft.gguf"]["source"] == "lm-studio"
     assert rows["other_tiny-other.gguf"]["target"]["path"] == str(home / ".cache/llama.cpp/other_tiny-other.gguf")
     r = cli(["models", "list", "--local"], home)
-    assert r.returncode == 0 and tags[0].encode() in r.stdout and b"tiny-draft.gguf" in r.stdout
+    assert r.returncode == 0 and b"tiny-draft.gguf" in r.stdout
+    assert b"ollama:tiny:latest" in r.stdout and b"ollama:tiny:big" in r.stdout
     # LLAMA_CACHE moves llama.cpp's cache
     r = cli(["models", "list", "--local", "--json"], home, {"LLAMA_CACHE": str(home / "nowhere")})
     assert "other_tiny-other.gguf" not in {row["name"] for row in json.loads(r.stdout)}
@@ -158,3 +162,76 @@ def test_models_info_says_how_a_pair_drafts(home, env, target_path, other_vocab_
         r = cli(["models", "info", "p"], home)
         assert words.encode() in r.stdout, r.stdout
         assert cli(["models", "rm", "p", "--yes", "--keep-files"], home).returncode == 0
+
+
+def damage(store: Path, name: str, text: str) -> Path:
+    """A manifest for `name` (tag latest) holding `text` instead of Ollama's JSON."""
+    manifest = store / "manifests" / "registry.ollama.ai" / "library" / name / "latest"
+    manifest.parent.mkdir(parents=True, exist_ok=True)
+    manifest.write_text(text)
+    return manifest
+
+
+def test_a_damaged_manifest_hides_no_other_model(home):
+    """A manifest nested too deeply for the JSON reader, or not JSON at all, is skipped in the list and in every
+    lookup; the model it belongs to is one error line naming its manifest."""
+    store = home / ".ollama" / "models"
+    damage(store, "deep", "[" * 100_000 + "]" * 100_000)
+    damage(store, "garbage", "\x00not json")
+    damage(store, "nolayer", json.dumps({"layers": [{"mediaType": "x", "digest": "sha256:00"}]}))
+    before = tree(home)
+    r = cli(["models", "list", "--local", "--json"], home)
+    assert r.returncode == 0, r.stderr
+    names = {row["name"] for row in json.loads(r.stdout)}
+    assert {"ollama:tiny:latest", "ollama:tiny:big"} <= names and not any("deep" in n or "garbage" in n for n in names)
+    assert cli(["models", "list", "--local"], home).returncode == 0
+    r = cli(["models", "info", "ollama:tiny", "--json"], home)
+    assert r.returncode == 0, r.stderr
+    line = one_error_line(cli(["models", "info", "ollama:tiny:nope"], home))
+    assert "no Ollama model tiny:nope" in line and "ollama:tiny:latest" in line
+    for name in ("deep", "garbage"):
+        line = one_error_line(cli(["models", "info", f"ollama:{name}"], home))
+        assert f"Ollama model {name}:latest" in line and "manifest" in line and "cannot be read" in line, line
+    line = one_error_line(cli(["run", "-m", "ollama:deep", "-n", "2", "hi"], home))
+    assert "cannot be read" in line
+    line = one_error_line(cli(["models", "info", "ollama:nolayer"], home))
+    assert "no model layer" in line
+    r = cli(["models", "pairs", "--json"], home)
+    assert r.returncode == 0, r.stderr
+    assert tree(home) == before
+
+
+def test_models_add_reads_ollama_names(home):
+    """`models add --target/--draft ollama:NAME[:TAG]` take the blob that name stands for now, as -m does; removing the
+    pair leaves Ollama's store as it was."""
+    before = tree(home / ".ollama")
+    r = cli(["models", "add", "mine", "--target", "ollama:tiny:big", "--draft", "ollama:tiny"], home)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(cli(["models", "info", "mine", "--json"], home).stdout)
+    blobs = str(home / ".ollama" / "models" / "blobs" / "sha256-")
+    assert info["target"]["path"].startswith(blobs) and info["draft"]["path"].startswith(blobs)
+    line = one_error_line(cli(["models", "add", "other", "--target", "ollama:tiny:nope"], home))
+    assert "no Ollama model tiny:nope" in line
+    line = one_error_line(cli(["models", "add", "other", "--target", "ollama:a/b/c/d"], home))
+    assert "invalid Ollama model name" in line
+    r = cli(["models", "rm", "mine", "--yes"], home)
+    assert r.returncode == 0, r.stderr
+    assert tree(home / ".ollama") == before
+
+
+def test_models_rm_of_a_name_that_is_no_pair(home, target_path):
+    """`models rm` of an Ollama name or a file says what it is, in one line, and suggests no unrelated pair;
+    suggestions come only for a name close to a pair's."""
+    before = tree(home)
+    for name in ("ollama:x", "ollama:tiny"):
+        line = one_error_line(cli(["models", "rm", name, "--yes"], home))
+        assert "Ollama" in line and "did you mean" not in line, line
+    line = one_error_line(cli(["models", "rm", str(target_path), "--yes"], home))
+    assert "did you mean" not in line and "file" in line, line
+    line = one_error_line(cli(["models", "rm", "gemma-12", "--yes"], home))
+    assert "did you mean gemma3-12b" in line
+    line = one_error_line(cli(["models", "rm", "smol", "--yes"], home))
+    assert "did you mean smollm2-135m, smollm2-1.7b" in line
+    line = one_error_line(cli(["models", "rm", "mistral-7b", "--yes"], home))
+    assert line.startswith("error: unknown model pair 'mistral-7b'") and "did you mean" not in line, line
+    assert tree(home) == before

@@ -47,7 +47,7 @@ def models_list(as_json: Annotated[bool, typer.Option("--json", help="Machine-re
         rows = [r for r in rows if any(r[role] and r[role]["downloaded"] for role in ("target", "draft"))]
         from localspec.models import local as stores
 
-        for m in stores.local_models(hf=False):  # other runners' files: -m/-d take the name or the path
+        for m in stores.local_models(hf=False, every_tag=True):  # other runners' files: -m/-d take the name or the path
             f = {"file": m.path.name, "size": m.size, "downloaded": True, "path": str(m.path)}
             rows.append({"name": m.name, "default": False, "description": f"{m.source} model", "k": None,
                          "source": m.source, "target": f, "draft": None})
@@ -86,7 +86,10 @@ def models_pull(name: Annotated[str, typer.Argument(help="Pair name, or a hub mo
         sys.stderr.write(f"model: {printable(download.ensure(hfname.resolve(obj)))}\n")
         return
     if kind == "path":
-        raise UsageError(f"{name} is a local file: nothing to pull")
+        from localspec.models.spec import is_file, shown
+
+        raise UsageError(f"{shown(name)} is a local file: nothing to pull" if is_file(obj, name)
+                         else f"no such file: {shown(name)}")
     pair = obj
     if check and pair.draft is not None and not download.offline():
         _remote_compat(pair)
@@ -124,9 +127,18 @@ def models_rm(name: Annotated[str, typer.Argument(help="Pair name, or a download
         user = pairs[name].source != "shipped"
         specs = [pairs[name].target, pairs[name].draft]
     else:
+        from localspec.models import local as stores
+        from localspec.models.spec import shown
+
+        if stores.is_ollama_name(name):
+            raise UsageError(f"{shown(name)} is a model in Ollama's store, not a pair: localspec never deletes "
+                             f"another runner's files (`ollama rm {shown(name[len(stores.OLLAMA_PREFIX):])}` does)")
         hub = hfname.parse(name)
         if hub is None:
-            registry.get(name)  # the unknown-pair error, with suggestions
+            if registry.looks_like_path(name):
+                raise UsageError(f"{shown(name)} is a path, not a pair or a hub model: `models rm` removes those, "
+                                 "never a file named by its path")
+            registry.get(name)  # the unknown-pair error, with suggestions where a pair's name is close
         user, specs = False, [hfname.cached_spec(hub)]
     if keep_files and not user:
         raise UsageError(f"{name} is not a pair you added: there is no entry to remove, only files")
@@ -179,9 +191,11 @@ def models_info(what: Annotated[str, typer.Argument(help="Pair name or GGUF path
     if stores.is_ollama_name(what):
         files["model"] = stores.ollama_path(what)
     elif registry.looks_like_path(what):
-        p = Path(what).expanduser()
-        if not p.is_file():
-            raise UsageError(f"no such file: {what}")
+        from localspec.models.spec import is_file, shown, user_path
+
+        p = user_path(what)
+        if not is_file(p, what):
+            raise UsageError(f"no such file: {shown(what)}")
         files["model"] = p
     else:
         pair = registry.get(what)

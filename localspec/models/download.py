@@ -19,7 +19,7 @@ from pathlib import Path
 
 from localspec.store.cachefile import cache_dir, file_lock, read_json, update_json
 from localspec.errors import DownloadError, UsageError
-from localspec.models.spec import FileSpec
+from localspec.models.spec import FileSpec, is_file
 
 
 def hf_cache() -> str:
@@ -127,7 +127,7 @@ def local_path(spec: FileSpec) -> Path | None:
     """A complete local copy (not checked against sha256 here), without touching the network."""
     if spec.path:
         p = Path(spec.path)
-        return p if p.is_file() else None
+        return p if is_file(p) else None
     try:
         from huggingface_hub import try_to_load_from_cache
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec.errors import DownloadError, UsageError
-from localspec.models.spec import FileSpec, check_gguf_file, check_relpath, check_repo
+from localspec.models.spec import FileSpec, check_gguf_file, check_relpath, check_repo, is_file, shown, user_path
 
 DEFAULT_QUANT = "Q4_K_M"
 _PREFIXES = ("hf://", "https://huggingface.co/", "http://huggingface.co/", "https://hf.co/", "http://hf.co/",
@@ -78,7 +78,7 @@ def parse(s: str) -> HubName | None:
     if len(parts) <= 2:
         m = _REPO_FORM.match(rest)
         if not m:
-            raise UsageError(f"expected {FORMS}, got {s!r}")
+            raise UsageError(f"expected {FORMS}, got {shown(s)!r}")
         return _checked(HubName(m.group(1), quant=m.group(2), revision=m.group(3)))
     repo, path = "/".join(parts[:2]), parts[2:]
     rev = None
@@ -89,12 +89,17 @@ def parse(s: str) -> HubName | None:
         file, rev = file.rsplit("@", 1)
     file = file.split("?")[0]
     if not re.fullmatch(rf"{_PART}/{_PART}", repo) or not file or not rev and rev is not None:
-        raise UsageError(f"expected {FORMS}, got {s!r}")
+        raise UsageError(f"expected {FORMS}, got {shown(s)!r}")
     return _checked(HubName(repo, file=file, revision=rev or None))
+
+
+QUANT_MAX = 32  # characters: the longest quant names (IQ4_XS, Q4_K_M, MXFP4_MOE, ...) are far shorter
 
 
 def _checked(h: HubName) -> HubName:
     check_repo(h.repo)
+    if h.quant is not None and len(h.quant) > QUANT_MAX:
+        raise UsageError(f"invalid quant {shown(h.quant)!r}: at most {QUANT_MAX} characters")
     if h.file is not None:
         check_relpath(h.file, "file")
     if h.revision is not None:
@@ -221,11 +226,15 @@ def resolve(h: HubName):
 
 
 def file_spec(s: str):
-    """One file for `models add`: a local path, or a hub name (OWNER/REPO[:QUANT] is picked from the listing now,
-    so the pair stores a definite file)."""
+    """One file for `models add`: a local path, `ollama:NAME[:TAG]` (the blob in Ollama's store it names now, read
+    where it lies, as -m reads it), or a hub name (OWNER/REPO[:QUANT] is picked from the listing now, so the pair
+    stores a definite file)."""
+    from localspec.models import local
 
-    p = Path(s).expanduser()
-    if p.is_file():
+    p = user_path(s)
+    if not is_file(p, s) and local.is_ollama_name(s):
+        p = local.ollama_path(s)
+    if is_file(p, s):
         check_gguf_file(p, s)
         return FileSpec(path=str(p.resolve()))
     h = parse(s)

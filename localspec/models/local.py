@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from localspec.errors import LocalspecError, UsageError
+from localspec.models.spec import is_file, shown
 
 OLLAMA_PREFIX = "ollama:"
 OLLAMA_HOST = "registry.ollama.ai"
@@ -63,7 +64,7 @@ def _ollama_parts(name: str) -> tuple[str, str, str, str]:
     elif len(parts) == 2:
         parts = [OLLAMA_HOST, *parts]
     if len(parts) != 3 or not all(parts) or not tag or any(p in (".", "..") for p in (*parts, tag)):
-        raise UsageError(f"invalid Ollama model name {name!r}: write ollama:NAME[:TAG] (e.g. ollama:llama3.2:1b)")
+        raise UsageError(f"invalid Ollama model name {shown(name)!r}: write ollama:NAME[:TAG] (e.g. ollama:llama3.2:1b)")
     return parts[0], parts[1], parts[2], tag
 
 
@@ -74,14 +75,30 @@ def _short(host: str, ns: str, model: str, tag: str) -> str:
     return f"{host}/{ns}/{model}:{tag}"
 
 
-def _manifest_blob(manifest: Path, root: Path) -> Path | None:
-    """The model layer's blob a manifest names (None: a manifest without one, or unreadable)."""
+MANIFEST_MAX = 1 << 20  # bytes: Ollama's manifests are a few hundred; a larger file is not one
+
+
+def _read_manifest(manifest: Path) -> dict | None:
+    """A manifest's JSON object, or None when it cannot be read as one: unreadable, too large, not JSON, or nested
+    too deeply for the JSON reader (RecursionError). One damaged manifest must not break the others' lookups."""
     try:
-        data = json.loads(manifest.read_text(encoding="utf-8"))
+        with open(manifest, "rb") as fh:
+            raw = fh.read(MANIFEST_MAX + 1)
+        if len(raw) > MANIFEST_MAX:
+            return None
+        data = json.loads(raw.decode("utf-8"))
+    except (OSError, ValueError, RecursionError, MemoryError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _manifest_blob(data: dict, root: Path) -> Path | None:
+    """The model layer's blob a manifest names (None: a manifest without one)."""
+    try:
         layers = data.get("layers") or []
         digest = next(la["digest"] for la in layers
                       if isinstance(la, dict) and la.get("mediaType") == OLLAMA_MODEL_MEDIA)
-    except (OSError, ValueError, StopIteration, KeyError, TypeError, AttributeError):
+    except (StopIteration, KeyError, TypeError, AttributeError):
         return None
     if not isinstance(digest, str) or ":" not in digest:
         return None
@@ -95,19 +112,24 @@ def ollama_path(spec: str) -> Path:
     """The GGUF blob of `ollama:NAME[:TAG]` in Ollama's store, or a one-line UsageError that says what is there."""
     name = spec[len(OLLAMA_PREFIX):] if is_ollama_name(spec) else spec
     host, ns, model, tag = _ollama_parts(name)
+    short = _short(host, ns, model, tag)
     root = ollama_root()
     manifest = root / "manifests" / host / ns / model / tag
-    if not manifest.is_file():
+    if not is_file(manifest, spec):
         known = [m.name[len(OLLAMA_PREFIX):] for m in ollama_models()]
-        close = difflib.get_close_matches(_short(host, ns, model, tag), known, n=3, cutoff=0.4)
+        close = difflib.get_close_matches(short, known, n=3, cutoff=0.4)
         hint = (f"; did you mean {', '.join(OLLAMA_PREFIX + c for c in close)}?" if close else
                 f" ({len(known)} model{'s' if len(known) != 1 else ''} there; `localspec models list --local` lists them)")
-        raise UsageError(f"no Ollama model {_short(host, ns, model, tag)} in {root}{hint}")
-    blob = _manifest_blob(manifest, root)
+        raise UsageError(f"no Ollama model {short} in {root}{hint}")
+    data = _read_manifest(manifest)
+    if data is None:
+        raise UsageError(f"Ollama model {short}: its manifest {manifest} cannot be read as Ollama's JSON "
+                         "(ollama pull it again)")
+    blob = _manifest_blob(data, root)
     if blob is None:
-        raise UsageError(f"Ollama model {_short(host, ns, model, tag)} has no model layer in its manifest {manifest}")
+        raise UsageError(f"Ollama model {short} has no model layer in its manifest {manifest}")
     if not blob.is_file():
-        raise UsageError(f"Ollama model {_short(host, ns, model, tag)}: its blob {blob} is missing (ollama pull it again)")
+        raise UsageError(f"Ollama model {short}: its blob {blob} is missing (ollama pull it again)")
     return blob
 
 
@@ -122,7 +144,8 @@ def ollama_models() -> list[LocalModel]:
         if not manifest.is_file():
             continue
         host, ns, model, tag = manifest.relative_to(base).parts
-        blob = _manifest_blob(manifest, root)
+        data = _read_manifest(manifest)
+        blob = _manifest_blob(data, root) if data is not None else None  # a damaged manifest is skipped
         if blob is not None and blob.is_file():
             out.append(LocalModel("ollama", OLLAMA_PREFIX + _short(host, ns, model, tag), blob, blob.stat().st_size))
     return out
@@ -167,8 +190,10 @@ def hf_cache_models() -> list[LocalModel]:
     return out
 
 
-def local_models(hf: bool = True) -> list[LocalModel]:
-    """The GGUF models other runners keep here (and the HF cache's, with hf), each file once."""
+def local_models(hf: bool = True, every_tag: bool = False) -> list[LocalModel]:
+    """The GGUF models other runners keep here (and the HF cache's, with hf), each file once. every_tag: every
+    Ollama name, also tags that share one blob (each is a name -m takes: a list shows them all; pairing judges a file
+    once)."""
     found = ollama_models()
     for root in lmstudio_roots():
         found += _ggufs(root, "lm-studio")
@@ -178,7 +203,7 @@ def local_models(hf: bool = True) -> list[LocalModel]:
     seen, out = set(), []
     for m in found:
         key = m.path.resolve()
-        if key not in seen:
+        if key not in seen or (every_tag and m.source == "ollama"):
             seen.add(key)
             out.append(m)
     return out

@@ -12,7 +12,7 @@ from pathlib import Path
 from localspec.store import tomlfile as config
 from localspec import defaults as D
 from localspec.errors import UsageError
-from localspec.models.spec import FileSpec
+from localspec.models.spec import FileSpec, is_file, shown, user_path
 
 
 @dataclass
@@ -91,14 +91,23 @@ def load() -> tuple[dict[str, Pair], str]:
     return pairs, shipped.get("default", next(iter(pairs)))
 
 
+def close_names(name: str, names: list[str], n: int = 3) -> list[str]:
+    """The names a mistyped `name` may have meant: those difflib finds close (its default cutoff, so an unrelated
+    name suggests nothing), then those that begin with it (`smol` for smollm2-...)."""
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    if len(name) >= 3:
+        close += [p for p in names if p.startswith(name) and p not in close]
+    return close[:n]
+
+
 def get(name: str) -> Pair:
     pairs, _ = load()
     if name in pairs:
         return pairs[name]
-    close = difflib.get_close_matches(name, list(pairs), n=3, cutoff=0.4)
+    close = close_names(name, list(pairs))
     hint = (f"; did you mean {', '.join(close)}?" if close
             else "; see `localspec models list`, or name a hub model as OWNER/REPO[:QUANT]")
-    raise UsageError(f"unknown model pair {name!r}{hint}")
+    raise UsageError(f"unknown model pair {shown(name)!r}{hint}")
 
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -109,7 +118,7 @@ def check_name(name: str) -> None:
     ending in .gguf: anything else would be read by -m as a path or a hub name (OWNER/REPO:QUANT)."""
     if not NAME.fullmatch(name) or name.lower().endswith(".gguf"):
         raise UsageError(
-            f"invalid pair name {name!r}: use letters, digits, '.', '-' and '_', starting with a letter or digit, "
+            f"invalid pair name {shown(name)!r}: use letters, digits, '.', '-' and '_', starting with a letter or digit, "
             "at most 64 characters, not ending in .gguf"
         )
 
@@ -151,7 +160,7 @@ def looks_like_path(s: str) -> bool:
     """An existing file, or a name written as a path (not as a hub name such as OWNER/REPO:QUANT)."""
     from localspec.models import hubname as hfname
 
-    if Path(s).expanduser().is_file():
+    if is_file(user_path(s), s):
         return True
     if hfname.is_hub_name(s):
         return False
@@ -162,12 +171,13 @@ def resolve_name(s: str):
     """What a -m/-d value names: ("path", Path), ("pair", Pair) or ("hub", HubName). An existing file is a path, and
     so is ollama:NAME[:TAG] (the blob in Ollama's store, models/local.py);
     a pair name wins over a hub name; `A/B` that is neither is a hub repo; anything else written like a path is a
-    (missing) path, and the rest an unknown pair name (UsageError with suggestions)."""
+    (missing) path, and the rest an unknown pair name (UsageError with suggestions). A name the file system cannot
+    look up (too long, a `~USER` that names no user) is a UsageError here, the one place every -m/-d passes."""
     from localspec.models import hubname as hfname
     from localspec.models import local
 
-    p = Path(s).expanduser()
-    if p.is_file():
+    p = user_path(s)
+    if is_file(p, s):
         return "path", p
     if local.is_ollama_name(s):  # ollama:NAME[:TAG], read where Ollama keeps it
         return "path", local.ollama_path(s)
