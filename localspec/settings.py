@@ -43,6 +43,10 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
                                                         "first; 0 = no cache)"),
 }
 
+# the least value of a whole-number setting, checked wherever it is read (config file, environment, `config set`), so
+# a stored value cannot mean something else in each place that reads it
+MINIMUM = {"suffix_cache_tokens": 0}
+
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
@@ -67,7 +71,10 @@ def coerce(key: str, value: Any, source: str) -> Any:
         if typ is int:
             if isinstance(value, float) and not value.is_integer():
                 raise ValueError
-            return int(value)
+            n = int(value)
+            if key in MINIMUM and n < MINIMUM[key]:
+                raise UsageError(f"{source}: {key} must be a whole number >= {MINIMUM[key]}, got {n}")
+            return n
         if key in _CHECKS:
             _check(key, str(value), source)
         return str(value)

@@ -3,7 +3,11 @@ built from a folder of text or code."""
 
 from __future__ import annotations
 
+import errno
+import fnmatch
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -21,21 +25,32 @@ def _size(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
+def _shown(text) -> str:
+    """A path as printed on a terminal: control characters (escape sequences) replaced, rich markup kept as text."""
+    from rich.markup import escape
+
+    from localspec.printable import printable
+
+    return escape(printable(text))
+
+
 @cache_app.command("show")
 def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
     """Where the suffix cache lives, its files, documents, tokens and size on disk, and its settings."""
     from localspec import settings as config
     from localspec.store import suffixcache as SC
 
+    from localspec.printable import printable
+
     v = config.values()
-    rows = []
-    for path, docs, tokens in SC.files():
-        try:
-            size = path.stat().st_size
-        except OSError:
-            size = 0
-        rows.append({"file": str(path), "kind": "static" if SC.is_static(path) else "dynamic", "documents": docs,
-                     "tokens": tokens, "bytes": size})
+    try:
+        found = SC.files()
+    except OSError as exc:
+        from localspec.errors import LocalspecError
+
+        raise LocalspecError(printable(f"cannot read the suffix cache in {SC.folder()}: {exc.strerror or exc}")) from None
+    rows = [{"file": str(path), "kind": "static" if SC.is_static(path) else "dynamic", "documents": docs,
+             "tokens": tokens, "bytes": size} for path, docs, tokens, size in found]
     total = {"documents": sum(r["documents"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
              "bytes": sum(r["bytes"] for r in rows)}
     if as_json:
@@ -43,23 +58,27 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-rea
                                "max_tokens": v["suffix_cache_tokens"], "files": rows, "total": total}, indent=1))
         return
     state = "on" if v["suffix_cache"] else "off (suffix_cache = false: kept within a process only)"
-    sys.stderr.write(f"suffix cache in {SC.folder()}: persistence {state}, at most {v['suffix_cache_tokens']} tokens "
-                     "per vocabulary\n")
+    sys.stderr.write(printable(f"suffix cache in {SC.folder()}: persistence {state}, at most "
+                               f"{v['suffix_cache_tokens']} tokens per vocabulary") + "\n")
+    note = SC.folder_note()
+    if note:
+        sys.stderr.write(printable(f"note: {note}") + "\n")
     if not rows:
         sys.stderr.write("empty\n")
         return
     from localspec.cli.table import print_table
 
     print_table(["file", "kind", "documents", "tokens", "size"],
-                [[r["file"], r["kind"], str(r["documents"]), str(r["tokens"]), _size(r["bytes"])] for r in rows],
+                [[_shown(r["file"]), r["kind"], str(r["documents"]), str(r["tokens"]), _size(r["bytes"])] for r in rows],
                 right=["documents", "tokens", "size"])
     sys.stderr.write(f"total: {total['documents']} documents, {total['tokens']} tokens, {_size(total['bytes'])}\n")
 
 
 @cache_app.command("clear")
 def cache_clear():
-    """Delete the suffix cache (every vocabulary's and scope's, static ones too). Running processes keep what they
-    hold in memory."""
+    """Delete the suffix cache (every vocabulary's and scope's, static ones too): localspec's own files in its cache
+    folder, nothing else. Running processes keep what they hold in memory."""
+    from localspec.printable import printable
     from localspec.store import suffixcache as SC
 
     try:
@@ -67,29 +86,81 @@ def cache_clear():
     except OSError as exc:
         from localspec.errors import UsageError
 
-        raise UsageError(f"cannot clear the suffix cache in {SC.folder()}: {exc.strerror or exc}") from None
+        raise UsageError(printable(f"cannot clear the suffix cache in {SC.folder()}: {exc.strerror or exc}")) from None
+    note = SC.folder_note()
+    if note:
+        sys.stderr.write(printable(f"note: {note}") + "\n")
     sys.stderr.write(f"cleared the suffix cache ({n} file{'s' if n != 1 else ''})\n")
+
+
+def _glob_parts(pattern: str) -> list[str]:
+    return [p for p in pattern.replace(os.sep, "/").split("/") if p not in ("", ".")]
+
+
+def _matches(parts: list[str], pattern: list[str]) -> bool:
+    """Whether a relative path (its names) matches a glob pattern (its parts) as Path.glob reads one: `*`, `?` and
+    `[...]` within one name, `**` any number of folders (at the end: every file below)."""
+
+    def closure(states: set[int]) -> set[int]:
+        out = set(states)
+        for i in sorted(states):
+            while i < len(pattern) and pattern[i] == "**":
+                i += 1
+                out.add(i)
+        return out
+
+    states = closure({0})
+    for name in parts:
+        states = closure({i if pattern[i] == "**" else i + 1 for i in states
+                          if i < len(pattern) and (pattern[i] == "**" or fnmatch.fnmatchcase(name, pattern[i]))})
+        if not states:
+            return False
+    return len(pattern) in states
 
 
 def text_files(root: Path, patterns: list[str]) -> list[tuple[str, float, str]]:
     """(path relative to root, modification time, text) of the files under `root` that match a glob pattern, in
-    path order: UTF-8 text only (no NUL byte, at most MAX_FILE_BYTES), nothing under a hidden folder (.git, .venv)."""
-    seen: dict[str, tuple[float, str]] = {}
-    for pattern in patterns:
-        for p in root.glob(pattern):
-            rel = p.relative_to(root)
-            if rel.as_posix() in seen or any(part.startswith(".") for part in rel.parts[:-1]):
-                continue
-            try:
-                if not p.is_file() or p.stat().st_size > MAX_FILE_BYTES:
-                    continue
-                data = p.read_bytes()
-                text = data.decode("utf-8")
-            except (OSError, UnicodeDecodeError):
-                continue
-            if "\0" not in text and text.strip():
-                seen[rel.as_posix()] = (p.stat().st_mtime, text)
-    return [(rel, t, text) for rel, (t, text) in sorted(seen.items())]
+    path order: UTF-8 text only (no NUL byte, at most MAX_FILE_BYTES), regular files only. No symbolic link is
+    followed, to a file or a folder (it may lead out of `root`: a home folder, /proc), and nothing hidden is read, a
+    file or a folder whose name starts with a dot (.git, .venv, .env: secrets and tools' state, not the text)."""
+    from localspec.store.cachefile import open_folder, read_regular
+
+    wanted = [_glob_parts(p) for p in patterns]
+    found: list[tuple[str, float, str]] = []
+    stack = [""]
+    while stack:  # iterative: a deep tree costs no recursion
+        rel_dir = stack.pop()
+        folder = root / rel_dir if rel_dir else root
+        try:
+            with open_folder(folder, follow=not rel_dir) as dfd:
+                with os.scandir(dfd if dfd is not None else folder) as it:
+                    entries = list(it)
+                for e in entries:
+                    if e.name.startswith("."):
+                        continue
+                    rel = f"{rel_dir}/{e.name}" if rel_dir else e.name
+                    try:
+                        mode = e.stat(follow_symlinks=False).st_mode
+                    except OSError:
+                        continue
+                    if stat.S_ISDIR(mode):
+                        stack.append(rel)
+                        continue
+                    if not stat.S_ISREG(mode) or not any(_matches(rel.split("/"), w) for w in wanted):
+                        continue  # a link, a pipe, a device: never opened
+                    try:
+                        data, st = read_regular(folder, dfd, e.name, MAX_FILE_BYTES)
+                        text = data.decode("utf-8")
+                    except (OSError, UnicodeDecodeError):
+                        continue
+                    if "\0" not in text and text.strip():
+                        found.append((rel, st.st_mtime, text))
+        except OSError as exc:
+            if not rel_dir:
+                raise
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOENT):
+                raise
+    return sorted(found)
 
 
 @cache_app.command("build")
@@ -103,7 +174,10 @@ def cache_build(
                           "modified files first; default 250000).", show_default=False)] = None,
 ):
     """Build the static suffix cache of the model's vocabulary from a folder's text and code files: the suffix drafter
-    drafts from it where earlier prompts and answers match nothing. Replaces that vocabulary's static cache."""
+    drafts from it where earlier prompts and answers match nothing. Replaces that vocabulary's static cache.
+
+    Read: regular UTF-8 text files up to 4 MB. Skipped: hidden files and folders (a name starting with a dot: .git,
+    .env) and symbolic links, to files or folders (never followed out of the folder)."""
     from localspec.errors import UsageError
     from localspec.store import suffixcache as SC
 

@@ -8,19 +8,29 @@ the oldest beyond the size bound and replaces the file atomically (mode 0600), s
 other's documents. A file that does not parse is replaced on the next save, after one notice; never an error.
 The static corpus is `suffix/<fingerprint>.static.json` in the same format, one document per file of the folder,
 replaced whole by each build.
+
+Only localspec's own files are touched: names of the patterns above in the `suffix` folder, which is never followed
+where it is a symbolic link. A file there is read only where it is a regular file (not a link, pipe or device) and no
+larger than a bound; a document is used only where its token ids are ids of the vocabulary. Anything else reads as
+no cache, after one notice: never an error, never a hang. A link, pipe or folder at a cache file's name is never
+written through or replaced; `cache clear` removes what has one of those names, except a folder, and nothing else.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import math
 import os
+import re
+import stat
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 from localspec import defaults as D
-from localspec.store.cachefile import atomic_write, cache_dir, file_lock
+from localspec.store.cachefile import cache_dir, file_lock, lstat_at, open_folder, read_regular, write_at
 from localspec.store.tomlfile import config_file, load_toml
 
 FORMAT = 1
@@ -31,7 +41,16 @@ STATIC_TOKENS = 250_000
 SETTING_PERSIST = "suffix_cache"
 SETTING_TOKENS = "suffix_cache_tokens"
 MEMO = "vocab-fingerprints.json"
+# a file's size bound: a stored token takes under 12 bytes (digits and a comma), and this leaves room for the ids
+MIN_READ_BYTES = 64 << 20
+BYTES_PER_TOKEN = 16
+TOKEN_LIMIT = 2**31  # llama_token is a 32-bit int: an id beyond it fits no token array
+# localspec's own names in the folder: <fingerprint>.json, <fingerprint>-<scope>.json, <fingerprint>.static.json, and
+# the temporary files a save renames into place (write_at), left behind where a process was killed
+OWN_NAME = re.compile(r"[0-9a-f]{32}(?:-[0-9a-f]{16}|\.static)?\.json")
+OWN_TEMP = re.compile(r"\.([0-9a-f]{32}(?:-[0-9a-f]{16}|\.static)?\.json)\.[0-9a-f]{12}\.tmp")
 _noticed: set[str] = set()  # files a notice was given for (once per process)
+_VOCAB_SIZES: dict[str, int] = {}  # fingerprint -> vocabulary size, of the models this process fingerprinted
 
 
 def folder() -> Path:
@@ -61,11 +80,15 @@ def model_fingerprint(model) -> str:
         st = Path(path).stat()
         key = f"{Path(path).resolve()}|{st.st_size}|{st.st_mtime_ns}"
     except (OSError, TypeError):
-        return fingerprint(model.vocab_info())
-    fp = read_json(MEMO).get(key)
+        key = None
+    fp = read_json(MEMO).get(key) if key is not None else None
     if not isinstance(fp, str):
         fp = fingerprint(model.vocab_info())
-        update_json(MEMO, lambda d: d.__setitem__(key, fp))
+        if key is not None:
+            update_json(MEMO, lambda d: d.__setitem__(key, fp))
+    n_vocab = getattr(model, "n_vocab", None)
+    if isinstance(n_vocab, int) and n_vocab > 0:
+        _VOCAB_SIZES[fp] = n_vocab  # a cache file's token ids are checked against it (_documents)
     return fp
 
 
@@ -128,34 +151,65 @@ def _notice(path: Path, why: str, say: Callable[[str], None] | None,
         sys.stderr.flush()
 
 
-def _parse(path: Path, fp: str, say) -> list[dict] | None:
-    """The file's documents (oldest first); None where there is no file or it is another vocabulary's. A damaged
-    file gives one notice and reads as empty."""
+def read_bound(max_tokens: int) -> int:
+    """The most bytes a cache file of `max_tokens` tokens is read up to; a larger one is not read."""
+    return max(MIN_READ_BYTES, BYTES_PER_TOKEN * max(0, max_tokens))
+
+
+def _documents(data, fp: str | None) -> list[dict] | None:
+    """The documents of a parsed file (oldest first); None where it is another vocabulary's (fp None: any). A
+    ValueError where it is not a suffix cache or a document is malformed: token ids must be ints in [0, 2^31) and,
+    where this process knows the vocabulary's size, below it (an id past it would reach the model as a draft)."""
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError("not a suffix cache")
+    if fp is not None and data.get("vocab") != fp:
+        return None  # another vocabulary's: never used
+    docs = data.get("docs")
+    if not isinstance(docs, list):
+        raise ValueError("no document list")
+    limit = min(TOKEN_LIMIT, _VOCAB_SIZES.get(data.get("vocab"), TOKEN_LIMIT)) if fp is not None else TOKEN_LIMIT
+    for d in docs:
+        if not isinstance(d, dict):
+            raise ValueError("a document is malformed")
+        toks, t = d.get("tokens"), d.get("t")
+        if not (isinstance(d.get("id"), str) and type(t) in (int, float) and isinstance(toks, list)):
+            raise ValueError("a document is malformed")
+        try:
+            if not math.isfinite(float(t)):
+                raise ValueError("a document's time is not finite")
+        except OverflowError:
+            raise ValueError("a document's time is out of range") from None
+        if not all(type(x) is int and 0 <= x < limit for x in toks):
+            raise ValueError("a document holds a token id that is no token of the vocabulary")
+    return docs
+
+
+def _read(path: Path, fp: str | None, limit: int) -> list[dict] | None:
+    """The documents of the file at `path` (_documents); FileNotFoundError where there is none; OSError where it
+    cannot be read or is not a regular file; ValueError where it is damaged."""
+    with open_folder(path.parent) as dfd:
+        text, _ = read_regular(path.parent, dfd, path.name, limit)
     try:
-        text = path.read_bytes()
+        data = json.loads(text)
+    except RecursionError:  # nested deeper than the parser goes
+        raise ValueError("nested too deep") from None
+    return _documents(data, fp)
+
+
+def _parse(path: Path, fp: str, say, limit: int = MIN_READ_BYTES) -> list[dict] | None:
+    """The file's documents (oldest first); None where there is no file, it is another vocabulary's or it cannot be
+    read (a link, a pipe, a folder, too large). A damaged file gives one notice and reads as empty."""
+    try:
+        return _read(path, fp, limit)
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if exc.errno == errno.EFBIG:  # a regular file of its own: replaced on the next save, as a damaged one
+            _notice(path, f"is {exc.strerror}", say)
+            return []
         _notice(path, f"cannot be read ({exc.strerror or exc})", say, "it is not used")
         return None
-    try:
-        data = json.loads(text)
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError("not a suffix cache")
-        if data.get("vocab") != fp:
-            return None  # another vocabulary's: never used
-        docs = data["docs"]
-        if not isinstance(docs, list):
-            raise ValueError("no document list")
-        out = []
-        for d in docs:
-            toks = d["tokens"]
-            if not (isinstance(d.get("id"), str) and isinstance(d.get("t"), (int, float)) and isinstance(toks, list)
-                    and all(type(t) is int and t >= 0 for t in toks)):
-                raise ValueError("a document is malformed")
-            out.append(d)
-        return out
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, TypeError):
         _notice(path, "is damaged", say)
         return []
 
@@ -174,7 +228,7 @@ class SuffixFile:
 
     def load(self) -> list[tuple[str, float, list[int]]]:
         """(id, time, tokens) of the stored documents, oldest first."""
-        docs = _parse(self.path, self.fp, self.say) or []
+        docs = _parse(self.path, self.fp, self.say, read_bound(self.max_tokens)) or []
         return [(d["id"], float(d["t"]), d["tokens"]) for d in docs]
 
     def save(self, docs: Sequence, replace: bool = False) -> bool:
@@ -183,7 +237,7 @@ class SuffixFile:
         it could not be written."""
         try:
             with file_lock(f"suffix-{self.path.name}"):
-                old = [] if replace else (_parse(self.path, self.fp, self.say) or [])
+                old = [] if replace else (_parse(self.path, self.fp, self.say, read_bound(self.max_tokens)) or [])
                 merged = {d["id"]: (float(d["t"]), d["tokens"]) for d in old}
                 for d in docs:
                     old = merged.get(d.id)
@@ -192,8 +246,11 @@ class SuffixFile:
                 keep = bound(sorted(merged.items(), key=lambda kv: kv[1][0]), self.max_tokens)
                 body = {"format": FORMAT, "vocab": self.fp,
                         "docs": [{"id": i, "t": t, "tokens": toks} for i, (t, toks) in keep]}
-                atomic_write(self.path, json.dumps(body, separators=(",", ":")))
-                os.chmod(self.path, 0o600)
+                # the folder is never followed where it is a link, the file never written through one (write_at:
+                # a temporary file of mode 0600 renamed over it)
+                with open_folder(self.path.parent, create=True) as dfd:
+                    write_at(self.path.parent, dfd, self.path.name,
+                             json.dumps(body, separators=(",", ":")).encode("utf-8"))
             return True
         except OSError as exc:
             _notice(self.path, f"cannot be written ({exc.strerror or exc})", self.say,
@@ -215,27 +272,66 @@ def bound(docs: list, max_tokens: int) -> list:
     return keep[::-1]
 
 
-def files() -> list[tuple[Path, int, int]]:
-    """(path, documents, tokens) of every suffix cache file (`localspec cache show`); a damaged one counts 0."""
+def _scan() -> Iterator[tuple[int | None, os.DirEntry]]:
+    """The open suffix folder and its entries (none where it is absent or a symbolic link: not followed)."""
+    try:
+        with open_folder(folder()) as dfd:
+            with os.scandir(dfd if dfd is not None else folder()) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            for e in entries:
+                yield dfd, e
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # a link (not followed) or a file: no cache files in it
+            return
+        raise
+
+
+def folder_note() -> str | None:
+    """Why the suffix folder is not used, where it is a symbolic link (None otherwise)."""
+    if os.path.islink(folder()):
+        return f"the suffix cache folder {folder()} is a symbolic link: not followed, nothing in it is read or deleted"
+    return None
+
+
+def files() -> list[tuple[Path, int, int, int]]:
+    """(path, documents, tokens, bytes) of every suffix cache file (`localspec cache show`): localspec's own names,
+    regular files only; a damaged one, or one over the size bound, counts 0 documents."""
     out = []
-    for p in sorted(folder().glob("*.json")) if folder().is_dir() else []:
+    for dfd, e in _scan():
+        if not OWN_NAME.fullmatch(e.name):
+            continue
+        path = folder() / e.name
         try:
-            data = json.loads(p.read_bytes())
-            docs = data.get("docs", []) if isinstance(data, dict) else []
-            n_tok = sum(len(d.get("tokens", [])) for d in docs if isinstance(d, dict))
-            out.append((p, len(docs), n_tok))
-        except (OSError, ValueError, TypeError, AttributeError):
-            out.append((p, 0, 0))
+            st = lstat_at(folder(), dfd, e.name)
+        except OSError:
+            continue
+        if not stat.S_ISREG(st.st_mode):
+            continue
+        try:
+            docs = _read(path, None, max(read_bound(STATIC_TOKENS), read_bound(configured()[1]))) or []
+        except (OSError, ValueError, TypeError):
+            docs = []
+        out.append((path, len(docs), sum(len(d["tokens"]) for d in docs), st.st_size))
     return out
 
 
 def clear() -> int:
-    """Delete every suffix cache file (under each one's lock); returns how many were deleted."""
+    """Delete every suffix cache file (under each one's lock), and the temporary files of interrupted saves; returns
+    how many were deleted. Only localspec's names in its own folder, and no folder: the entry itself is removed (a
+    link, never what it points to)."""
     n = 0
-    for p, _, _ in files():
-        with file_lock(f"suffix-{p.name}"):
+    for dfd, e in _scan():
+        own = OWN_NAME.fullmatch(e.name)
+        temp = OWN_TEMP.fullmatch(e.name)
+        if not (own or temp):
+            continue
+        with file_lock(f"suffix-{e.name if own else temp.group(1)}"):
             try:
-                p.unlink()
+                if stat.S_ISDIR(lstat_at(folder(), dfd, e.name).st_mode):
+                    continue
+                os.unlink(e.name if dfd is not None else folder() / e.name, dir_fd=dfd)
                 n += 1
             except FileNotFoundError:
                 pass
