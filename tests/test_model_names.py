@@ -60,8 +60,14 @@ def test_names_too_long_for_the_file_system_are_usage_errors(names_env, target_p
 
 
 def test_the_common_checks(tmp_path):
-    from localspec.models.spec import user_path
+    from localspec.models.spec import is_dir, is_file, user_path
 
+    for check in (is_file, is_dir):
+        with pytest.raises(UsageError, match="too long"):
+            check(tmp_path / LONG)
+        with pytest.raises(UsageError, match="too long"):
+            check(tmp_path / ("a/" * 2500))
+    assert is_dir(tmp_path) and not is_file(tmp_path) and not is_dir(tmp_path / "missing")
     with pytest.raises(UsageError, match="too long"):
         registry.resolve_name(LONG)
     with pytest.raises(UsageError, match="too long"):

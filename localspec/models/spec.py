@@ -72,6 +72,14 @@ def is_file(p, name=None) -> bool:
         raise bad_name(p if name is None else name, exc) from None
 
 
+def is_dir(p, name=None) -> bool:
+    """Whether `p` is a folder; a name the file system refuses to look up is a UsageError, as for is_file."""
+    try:
+        return Path(p).is_dir()
+    except OSError as exc:
+        raise bad_name(p if name is None else name, exc) from None
+
+
 def check_repo(repo: str) -> str:
     """`repo` when it is a valid OWNER/NAME hub repo id, else a UsageError."""
     parts = repo.split("/") if isinstance(repo, str) else []
