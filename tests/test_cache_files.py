@@ -91,6 +91,24 @@ def test_token_ids_beyond_the_vocabulary_are_refused(capsys, monkeypatch):
     assert "damaged" in capsys.readouterr().err
 
 
+def test_a_corpus_never_holds_an_id_past_its_models_vocabulary(target_path, capsys):
+    """A file of this vocabulary's fingerprint whose ids reach past the vocabulary: an id the model has no token for
+    would fail the target's decode as a draft."""
+    from localspec.llama.model import Model
+
+    with Model(target_path, n_ctx=256) as m:
+        fp = SC.model_fingerprint(m)
+        toks = m.tokenize("the cat and the dog", add_special=False)
+        SC.folder().mkdir(parents=True)
+        SC.path_for(fp).write_text(body(toks + [m.n_vocab + 7] * 4 + toks, fp=fp))
+        corpus = S.corpus_for(m)
+        assert corpus.docs == [] and all(t < m.n_vocab for t in corpus.index.toks)
+        assert "damaged" in capsys.readouterr().err
+        S._CORPORA.clear()
+        SC.path_for(fp).write_text(body(toks + [m.n_vocab - 1] * 4 + toks, fp=fp))
+        assert [d.id for d in S.corpus_for(m).docs] == ["a"]
+
+
 def test_a_file_over_the_size_bound_is_not_read(capsys, monkeypatch):
     monkeypatch.setattr(SC, "MIN_READ_BYTES", 1000)
     f = SC.SuffixFile(FP, max_tokens=10)
@@ -160,6 +178,28 @@ def test_a_symlinked_folder_is_never_followed(tmp_path, capsys):
     assert r.returncode == 0, r.stderr
     assert {p.name: p.read_bytes() for p in project.iterdir()} == before
     assert SC.folder().is_symlink()
+
+
+def test_a_symlinked_folder_costs_one_notice_per_process(tmp_path, capsys):
+    (tmp_path / "elsewhere").mkdir()
+    SC.folder().parent.mkdir(parents=True)
+    SC.folder().symlink_to(tmp_path / "elsewhere")
+    for f in (SC.SuffixFile(FP), SC.SuffixFile(FP, path=SC.static_path(FP)), SC.SuffixFile(FP, "0123456789abcdef")):
+        assert f.load() == []
+        assert f.save([doc(0, [1, 2, 3])]) is False
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "folder" in err and "symbolic link" in err, err
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+def test_a_notice_prints_no_escapes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "c\x1b]0;title\x07d"))
+    f = SC.SuffixFile(FP)
+    f.path.parent.mkdir(parents=True)
+    f.path.write_bytes(b"{damaged")
+    assert f.load() == []
+    err = capsys.readouterr().err
+    assert "damaged" in err and "\x1b" not in err and "\x07" not in err, err
 
 
 def test_memos_never_write_through_a_symbolic_link(tmp_path):
@@ -290,6 +330,15 @@ def test_cache_build_follows_no_link_and_reads_no_hidden_file(target_path, tmp_p
             timeout=120)
     assert r.returncode == 0, r.stderr
     assert [d["id"] for d in json.loads(path.read_bytes())["docs"]] == ["pkg/a.py"]
+
+
+def test_cache_build_keeps_no_more_than_a_process_reads_back(target_path, tmp_path):
+    (tmp_path / "a.txt").write_text("some text to draft from\n")
+    most = SC.MIN_READ_BYTES // SC.BYTES_PER_TOKEN
+    line = one_error_line(cli(["cache", "build", str(tmp_path), "-m", str(target_path), "--max-tokens",
+                               str(most + 1)]))
+    assert "--max-tokens" in line and str(most) in line
+    assert cli(["cache", "build", str(tmp_path), "-m", str(target_path), "--max-tokens", str(most)]).returncode == 0
 
 
 def test_cache_build_help_says_what_it_skips():

@@ -171,7 +171,7 @@ def cache_build(
     globs: Annotated[Optional[list[str]], typer.Option("--glob", help="Only files matching this pattern under the "
                      "folder, e.g. '**/*.py' (repeatable; default: every text file).", show_default=False)] = None,
     max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most tokens kept (the most recently "
-                          "modified files first; default 250000).", show_default=False)] = None,
+                          "modified files first; default 250000, at most 4194304).", show_default=False)] = None,
 ):
     """Build the static suffix cache of the model's vocabulary from a folder's text and code files: the suffix drafter
     drafts from it where earlier prompts and answers match nothing. Replaces that vocabulary's static cache.
@@ -185,8 +185,10 @@ def cache_build(
     if not root.is_dir():
         raise UsageError(f"cannot read folder {folder}: " + ("not a folder" if root.exists() else "no such folder"))
     bound = SC.STATIC_TOKENS if max_tokens is None else max_tokens
-    if bound < 1:
-        raise UsageError(f"--max-tokens must be >= 1, got {bound}")
+    # every process that drafts reads the file back, up to a size bound: a larger one would be built, then skipped
+    most = SC.MIN_READ_BYTES // SC.BYTES_PER_TOKEN
+    if not 1 <= bound <= most:
+        raise UsageError(f"--max-tokens must be between 1 and {most}, got {bound}")
     patterns = globs or ["**/*"]
     for pattern in patterns:
         if not pattern or Path(pattern).is_absolute() or ".." in Path(pattern).parts:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from localspec import defaults as D
+from localspec.printable import printable
 from localspec.store.cachefile import cache_dir, file_lock, lstat_at, open_folder, read_regular, write_at
 from localspec.store.tomlfile import config_file, load_toml
 
@@ -138,17 +139,28 @@ def configured() -> tuple[bool, int]:
 
 
 def _notice(path: Path, why: str, say: Callable[[str], None] | None,
-            then: str = "it is rebuilt from the next answers") -> None:
+            then: str = "it is rebuilt from the next answers", what: str = "suffix cache") -> None:
     key = str(path)
     if key in _noticed:
         return
     _noticed.add(key)
-    msg = f"note: the suffix cache {path} {why}; {then}"
+    # the path comes from the environment and the disk: shown without its control characters (terminal escapes)
+    msg = printable(f"note: the {what} {path} {why}; {then}")
     if say is not None:
         say(msg)
     else:
         sys.stderr.write(msg + "\n")
         sys.stderr.flush()
+
+
+def _folder_trouble(path: Path, exc: OSError, say) -> bool:
+    """One notice for the folder where `exc` is about the folder of `path` (a link, not followed, or not a folder),
+    not the file: every cache file in it shares the one cause. False where it is about the file."""
+    if exc.filename is None or Path(exc.filename) != path.parent:
+        return False
+    _notice(path.parent, f"cannot be used ({exc.strerror or exc})", say,
+            "earlier prompts and answers are neither read nor kept", what="suffix cache folder")
+    return True
 
 
 def read_bound(max_tokens: int) -> int:
@@ -204,6 +216,8 @@ def _parse(path: Path, fp: str, say, limit: int = MIN_READ_BYTES) -> list[dict] 
     except FileNotFoundError:
         return None
     except OSError as exc:
+        if _folder_trouble(path, exc, say):
+            return None
         if exc.errno == errno.EFBIG:  # a regular file of its own: replaced on the next save, as a damaged one
             _notice(path, f"is {exc.strerror}", say)
             return []
@@ -253,6 +267,8 @@ class SuffixFile:
                              json.dumps(body, separators=(",", ":")).encode("utf-8"))
             return True
         except OSError as exc:
+            if _folder_trouble(self.path, exc, self.say):
+                return False
             _notice(self.path, f"cannot be written ({exc.strerror or exc})", self.say,
                     "answers are kept within this process only")
             return False
