@@ -3,7 +3,6 @@ built from a folder of text or code."""
 
 from __future__ import annotations
 
-import errno
 import fnmatch
 import json
 import os
@@ -48,7 +47,8 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-rea
     except OSError as exc:
         from localspec.errors import LocalspecError
 
-        raise LocalspecError(printable(f"cannot read the suffix cache in {SC.folder()}: {exc.strerror or exc}")) from None
+        why = exc.strerror or exc
+        raise LocalspecError(printable(f"cannot read the suffix cache in {SC.folder()}: {why}")) from None
     rows = [{"file": str(path), "kind": "static" if SC.is_static(path) else "dynamic", "documents": docs,
              "tokens": tokens, "bytes": size} for path, docs, tokens, size in found]
     total = {"documents": sum(r["documents"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
@@ -69,7 +69,8 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-rea
     from localspec.cli.table import print_table
 
     print_table(["file", "kind", "documents", "tokens", "size"],
-                [[_shown(r["file"]), r["kind"], str(r["documents"]), str(r["tokens"]), _size(r["bytes"])] for r in rows],
+                [[_shown(r["file"]), r["kind"], str(r["documents"]), str(r["tokens"]), _size(r["bytes"])]
+                 for r in rows],
                 right=["documents", "tokens", "size"])
     sys.stderr.write(f"total: {total['documents']} documents, {total['tokens']} tokens, {_size(total['bytes'])}\n")
 
@@ -155,11 +156,11 @@ def text_files(root: Path, patterns: list[str]) -> list[tuple[str, float, str]]:
                         continue
                     if "\0" not in text and text.strip():
                         found.append((rel, st.st_mtime, text))
-        except OSError as exc:
+        except OSError:
             if not rel_dir:
                 raise
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ENOENT):
-                raise
+            # a sub-folder that cannot be read (no permission, a path too long, replaced by a link meanwhile) is
+            # skipped as an unreadable file is
     return sorted(found)
 
 

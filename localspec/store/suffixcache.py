@@ -315,6 +315,7 @@ def files() -> list[tuple[Path, int, int, int]]:
     """(path, documents, tokens, bytes) of every suffix cache file (`localspec cache show`): localspec's own names,
     regular files only; a damaged one, or one over the size bound, counts 0 documents."""
     out = []
+    limit = max(read_bound(STATIC_TOKENS), read_bound(configured()[1]))
     for dfd, e in _scan():
         if not OWN_NAME.fullmatch(e.name):
             continue
@@ -326,7 +327,7 @@ def files() -> list[tuple[Path, int, int, int]]:
         if not stat.S_ISREG(st.st_mode):
             continue
         try:
-            docs = _read(path, None, max(read_bound(STATIC_TOKENS), read_bound(configured()[1]))) or []
+            docs = _read(path, None, limit) or []
         except (OSError, ValueError, TypeError):
             docs = []
         out.append((path, len(docs), sum(len(d["tokens"]) for d in docs), st.st_size))
