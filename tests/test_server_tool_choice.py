@@ -326,3 +326,48 @@ def test_under_auto_parameters_llguidance_cannot_enforce_are_a_400_naming_the_to
     status, _, body = post(open_api, "/v1/chat/completions", {"messages": MSG, "tools": defs_tools("$defs"),
                                                                "max_tokens": 4, "tool_choice": "auto"})
     assert status == 200, body
+
+
+# ------------------------------------------------------------------ parallel_tool_calls: false is one call
+def written(fmt: str, n: int, key: str = "arguments") -> str:
+    call = {"name": "get_weather", key: {"city": "Oslo", "days": 2}}
+    if fmt == "mistral":
+        return "[TOOL_CALLS]" + json.dumps([call] * n)
+    if fmt == "hermes":
+        return "\n".join([f"<tool_call>\n{json.dumps(call)}\n</tool_call>"] * n)
+    return "\n".join([json.dumps(call)] * n)
+
+
+@pytest.mark.parametrize("template,fmt", [("... <tool_call> ...", "hermes"), ("[TOOL_CALLS]", "mistral"),
+                                          ("<|start_header_id|>", "llama3"), (None, "json")])
+def test_without_parallel_calls_the_grammar_closes_after_one_call(template, fmt):
+    from helpers import accepts
+    from localspec.server import tool_grammar as TG
+
+    key = "parameters" if fmt == "llama3" else "arguments"
+    for choice in ("required", NAMED):
+        g = TG.choice_grammar([WEATHER, CLOCK], choice, template, parallel=False)
+        assert accepts(g, written(fmt, 1, key)) and not accepts(g, written(fmt, 2, key)), (fmt, choice)
+    g, _ = TG.auto_grammar([WEATHER, CLOCK], "auto", template, parallel=False)
+    assert accepts(g, written(fmt, 1, key)) and not accepts(g, written(fmt, 2, key)), fmt
+    if fmt == "hermes":  # with parallel calls: several
+        assert accepts(TG.choice_grammar([WEATHER, CLOCK], "required", template, parallel=True), written(fmt, 2))
+
+
+def test_without_parallel_calls_the_answer_holds_one_call(open_api, monkeypatch):
+    """Forced, the grammar writes one call; under auto, of calls written in forms the grammar does not start on,
+    the first is the answer's call."""
+    import localspec.server.app as A
+    from helpers import Scripted
+
+    monkeypatch.setattr(A, "template_text", lambda eng: "... <tool_call> ...")
+    c = open_api.client(max_retries=0)
+    ch = ask(c, "required", parallel_tool_calls=False).choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1
+    two = '{"type": "function", "function": {"name": "get_time", "arguments": {"zone": "utc"}}}\n' \
+          '{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}'
+    Scripted(monkeypatch, open_api.session.engine, [two, two])
+    for parallel, n in ((False, 1), (True, 2)):
+        ch = ask(c, "auto", parallel_tool_calls=parallel).choices[0]
+        assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == n
+        assert ch.message.tool_calls[0].function.name == "get_time"

@@ -323,3 +323,109 @@ def test_tools_with_a_response_format_take_a_call_or_the_formats_json(open_api, 
     assert isinstance(con, Grammar) and not isinstance(con, Lazy)
     assert accepts(con.grammar, '{"answer": "sunny"}') and accepts(con.grammar, WRITTEN["bare"])
     assert not accepts(con.grammar, "It is sunny.")
+
+
+# ------------------------------------------------------------------ an answer cut off after its calls
+CUT = {
+    "hermes": CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": ',
+    "lines": '{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "add", "argu',
+    "fenced": '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n{"name": "ad',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "add", "arg',
+}
+
+
+@pytest.mark.parametrize("form", CUT)
+def test_a_call_cut_off_by_the_answers_end_is_dropped_and_the_whole_ones_come_back(form):
+    assert one(CUT[form]) == ("", [PARIS])
+    assert one("Checking.\n" + CUT[form]) == ("Checking.", [PARIS])
+    for size in (1, 5):
+        ts = ToolStream(NAMES)
+        sent = "".join(ts.feed(CUT[form][i:i + size]) for i in range(0, len(CUT[form]), size))
+        rest, calls = ts.end()
+        assert sent + rest == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS]
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>\n{"name": "add", "arguments": {"a": ',  # no whole call: the text stays content
+    CALL + '\n<tool_call>\n{"name": "add", "arguments": {"a": 1}</tool_call>',  # closed, but broken: no cut
+    CALL + '\nand some words',
+])
+def test_a_broken_call_that_no_cut_explains_keeps_the_answer_content(text):
+    assert parse(text, NAMES) == (text, [])
+
+
+class Cut(Scripted):
+    """Scripted answers that end at the token limit."""
+
+    def generate(self, tokens, cfg, cancel=None):
+        for ev in super().generate(tokens, cfg, cancel):
+            if type(ev).__name__ == "Finished":
+                ev = type(ev)(ev.text, ev.tokens, "length", ev.stats)
+            yield ev
+
+
+def test_calls_before_the_token_limit_come_back_with_finish_reason_length(open_api, monkeypatch):
+    Cut(monkeypatch, open_api.session.engine, [CUT["hermes"]] * 2)
+    c = open_api.client(max_retries=0)
+    kw = dict(model="x", messages=[{"role": "user", "content": "Weather in Paris?"}], tools=TOOLS, max_tokens=30)
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "length" and ch.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls] == [PARIS]
+    content, calls, finish, _ = streamed(c, **kw)
+    assert (content, finish) == ("", "length")
+    assert [(s["name"], json.loads(s["arguments"])) for s in calls.values()] == [PARIS]
+
+
+# ------------------------------------------------------------------ a call echoed after its result
+RESULT = '{"temp_c": 31, "sky": "clear"}'
+ECHO = {
+    # what Qwen2.5-Coder-1.5B writes after the result, held by the lazy grammar to the call's own keys
+    "doubled braces": '{{"name": "get_weather", "arguments": {"city": "Paris"}}}',
+    # what it writes free (llama-server): the call with its result
+    "with its response": '{{"name": "get_weather", "arguments": {"city": "Paris"}, "response": ' + RESULT + '}}',
+    "hermes": CALL,
+}
+
+
+def answered(extra=()):
+    """A conversation in which get_weather(Paris) was called and answered; `extra`: messages after that."""
+    return [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": RESULT}, *extra]
+
+
+@pytest.mark.parametrize("form", ECHO)
+def test_a_call_echoed_after_its_result_is_content_not_a_new_call(open_api, monkeypatch, form):
+    Scripted(monkeypatch, open_api.session.engine, [ECHO[form]] * 2)
+    c = open_api.client(max_retries=0)
+    kw = dict(model="x", messages=answered(), tools=TOOLS, tool_choice="auto")
+    ch = c.chat.completions.create(**kw).choices[0]
+    assert ch.finish_reason == "stop" and not ch.message.tool_calls and ch.message.content == ECHO[form]
+    content, calls, finish, _ = streamed(c, **kw)
+    assert (content, calls, finish) == (ECHO[form], {}, "stop")
+
+
+@pytest.mark.parametrize("answer,extra", [
+    # other arguments: a new call
+    ('{"name": "get_weather", "arguments": {"city": "Oslo"}}', ()),
+    # the user asks again: the same call is a new one
+    (ECHO["doubled braces"], ({"role": "assistant", "content": "31 C and clear."},
+                              {"role": "user", "content": "And now?"})),
+])
+def test_a_call_that_is_no_echo_of_an_answered_one_is_a_call(open_api, monkeypatch, answer, extra):
+    Scripted(monkeypatch, open_api.session.engine, [answer])
+    c = open_api.client(max_retries=0)
+    ch = c.chat.completions.create(model="x", messages=answered(extra), tools=TOOLS).choices[0]
+    assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
+
+
+def test_an_echoed_function_call_item_on_responses_is_text(open_api, monkeypatch):
+    Scripted(monkeypatch, open_api.session.engine, [ECHO["doubled braces"]])
+    status, _, body = open_api.raw("POST", "/v1/responses", json.dumps({"tools": [{
+        "type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}], "input": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": RESULT}]}))
+    assert status == 200, body
+    assert [o["type"] for o in body["output"]] == ["message"], body

@@ -336,8 +336,7 @@ class Generations:
                             for delta in T.call_deltas(call, i, role=not opened):
                                 yield sse(O.chat_delta(self.name, cid, now, delta))
                             opened = True
-                        if calls and finish != "cancelled":
-                            finish = "tool_calls"
+                        finish = T.finish_reason(finish, calls)
                         if not opened:
                             yield sse(chunk(cid, now, None, None))
                     last = with_logprobs(chunk(cid, now, None, finish))  # (tokens whose text was held back)
@@ -434,7 +433,9 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
-        msgs, taught = T.for_template(chat_messages(req), tools, template_of(engine))
+        msgs = chat_messages(req)
+        names = T.reading(names, msgs, req.parallel_tool_calls is not False, req.tool_choice)
+        msgs, taught = T.for_template(msgs, tools, template_of(engine))
         output = schema_of(req.response_format) if tools is not None else None
         con = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught)
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
@@ -459,6 +460,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
             req.max_tokens = req.max_output_tokens
         tools, choice = R.chat_tools(req)
         tools, names = T.check_tools(tools, choice)
+        names = T.reading(names, msgs, req.parallel_tool_calls is not False, choice)
         msgs, taught = T.for_template(msgs, tools, template_of(engine))
         output, grammar = R.output_format(req)
         con = tool_constraint(tools, choice, req.parallel_tool_calls is not False, output, taught) \

@@ -30,6 +30,27 @@ def json_field_of(setting: str) -> str:
     return REQUEST_FIELDS.get(setting) or OTHER_WORDS.get(setting) or f"the server's {setting} setting"
 
 
+# how deeply request JSON may nest (the body, and tool-call arguments sent as JSON text): the chat template, JSON
+# Schema walks and the prompt's plain-text walk recurse once or more per level, so deeper values would reach
+# Python's recursion limit; a value deeper than this is a 400 before any of them runs
+MAX_DEPTH = 128
+
+
+def too_deep(value, limit: int = MAX_DEPTH) -> bool:
+    """Whether a JSON value nests more than `limit` objects or arrays inside each other (counted without
+    recursion: the value may be arbitrarily deep)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, list) else None
+        if items is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((x, depth + 1) for x in items if isinstance(x, (dict, list)))
+    return False
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type_: str | None = None, headers: dict | None = None) -> None:

@@ -10,7 +10,7 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from localspec.server.config import MAX_STOPS
-from localspec.server.openai import APIError, invalid
+from localspec.server.openai import MAX_DEPTH, APIError, invalid, too_deep
 from localspec.server.tools import template_tool_calls
 
 
@@ -209,6 +209,9 @@ async def parse_body(request: Request, model: type[BaseModel]):
         raise APIError(400, f"malformed JSON body: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the body must be a JSON object", code="invalid_json")
+    for key, value in data.items():  # before any walk over it (the body itself is the first level)
+        if too_deep(value, MAX_DEPTH - 1):
+            raise APIError(400, f"{key} is nested more than {MAX_DEPTH} levels deep", param=key)
     try:
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:  # "\ud800": JSON allows the escape, but it is no character; found before any work

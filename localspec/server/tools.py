@@ -8,6 +8,10 @@ shows: bare or in a ```json fence, `{"name", "arguments"|"parameters"}` (optiona
 separated by `;` or lines), with doubled braces (`{{"name": ...}}`, as templates that escape braces print the
 format), or llama.cpp's generic `{"tool_call": {...}}`. A call names one of the request's tools with arguments
 that parse as a JSON object; anything else stays text (a function only mentioned is content, never an error).
+A call the end of the answer cut off (the token limit, a stop string) is dropped when whole calls come before it.
+Under tool_choice auto, a call that repeats one already answered in this turn (the same function and arguments,
+its result in the conversation) is content: small models echo the call they just made instead of answering, and an
+agent would call again forever. With parallel_tool_calls false an answer holds one call (`reading`).
 
 A template that prints no tools at all is given them in the system message with the Hermes format (`for_template`),
 and calls and results in the conversation are written in that format.
@@ -31,7 +35,7 @@ import uuid
 import weakref
 from dataclasses import dataclass
 
-from localspec.server.openai import APIError
+from localspec.server.openai import MAX_DEPTH, APIError, too_deep
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"
@@ -55,6 +59,52 @@ class ToolCall:
 
 def _call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
+
+
+class Names(frozenset):
+    """The names of a request's tools, with what reading its answer needs from the request (`reading`):
+    `answered`, the calls of this turn whose results the conversation holds ((name, canonical arguments));
+    `parallel`, False when the answer may hold one call only."""
+    answered: frozenset = frozenset()
+    parallel: bool = True
+
+
+def _key(name: str, arguments) -> tuple[str, str]:
+    """A call as compared with others: its name and its arguments as canonical JSON (key order aside)."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return name, arguments
+    return name, json.dumps(arguments, sort_keys=True, ensure_ascii=False)
+
+
+def reading(names: set[str], msgs: list[dict], parallel: bool = True, tool_choice=None) -> Names:
+    """`names` with what an answer to `msgs` is read against: the calls made since the last user message whose
+    results follow them (a tool message with the call's id, or with no ids to match), which an answer under
+    tool_choice auto may not call again; `parallel` (the request's parallel_tool_calls)."""
+    out = Names(names)
+    out.parallel = parallel
+    if tool_choice not in (None, "auto"):  # a forced call is the answer, whatever it repeats
+        return out
+    start = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1) + 1
+    turn = msgs[start:]
+    answered = set()
+    for i, m in enumerate(turn):
+        results = [r.get("tool_call_id") for r in turn[i + 1:] if r["role"] == "tool"]
+        for c in (m.get("tool_calls") or ()) if m["role"] == "assistant" else ():
+            if results and (c.get("id") in results or not c.get("id") or None in results):
+                answered.add(_key(c["function"]["name"], c["function"]["arguments"]))
+    out.answered = frozenset(answered)
+    return out
+
+
+def _kept(calls: list[ToolCall], names) -> list[ToolCall]:
+    """The calls an answer makes: without those that repeat an answered call, at most one without parallel
+    calls."""
+    answered = getattr(names, "answered", ())
+    calls = [c for c in calls if _key(c.name, c.arguments) not in answered]
+    return calls[:1] if getattr(names, "parallel", True) is False else calls
 
 
 # ------------------------------------------------------------------ the request side
@@ -104,11 +154,18 @@ def template_tool_calls(calls, where: str) -> list[dict]:
             raise APIError(400, f"{where}[{j}] must be {{\"type\": \"function\", \"id\": ..., \"function\": "
                                 "{\"name\": ..., \"arguments\": \"{...}\"}}", param=where.split("[")[0])
         args = f.get("arguments")
+        place = f"{where}[{j}].function.arguments" if where.endswith("tool_calls") else f"{where}.arguments"
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
+                deep = too_deep(args)
             except ValueError:
-                pass  # left as text: the template prints what it was given
+                deep = False  # left as text: the template prints what it was given
+            except RecursionError:
+                deep = True
+            if deep:  # the template and the walks over the prompt recurse per level
+                raise APIError(400, f"{place} is nested more than {MAX_DEPTH} levels deep",
+                               param=where.split(".")[0].split("[")[0])
         out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
     return out
 
@@ -246,15 +303,44 @@ def _as_call(obj, names: set[str]) -> list[ToolCall] | None:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(name, str) or not isinstance(args, dict) or (names and name not in names):
+        return None
+    if too_deep(args):  # arguments no request could send back (MAX_DEPTH): text
         return None
     return [ToolCall(name, json.dumps(args, ensure_ascii=False), _call_id())]
 
 
-def _json_values(text: str) -> list | None:
-    """The JSON values that make up `text`, separated by whitespace, `;` or `,` (None: something else is there)."""
+def _unfinished(text: str) -> bool:
+    """Whether `text` is a JSON object or array that the end of the answer cut off: what it opens is still open
+    at the end, and nothing closes what it did not open."""
+    if not text.startswith(("{", "[")):
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return False  # a whole value (that did not parse)
+    return True
+
+
+def _json_values(text: str, cut: bool = False) -> list | None:
+    """The JSON values that make up `text`, separated by whitespace, `;` or `,` (None: something else is there).
+    `cut`: `text` ends where the answer ended, and a last value that the end cut off is left out (of a cut
+    array, its whole items are kept, as an array)."""
     out, pos = [], 0
     while True:
         while pos < len(text) and text[pos] in " \t\r\n;,":
@@ -264,20 +350,28 @@ def _json_values(text: str) -> list | None:
         try:
             obj, pos = _DEC.raw_decode(text, pos)
         except ValueError:
+            if cut and _unfinished(text[pos:]):
+                if text[pos] == "[":
+                    items = _json_values(text[pos + 1:], cut=True)
+                    if items:
+                        out.append(items)
+                return out
+            return None
+        except RecursionError:  # nested beyond any call: no call
             return None
         out.append(obj)
 
 
-def _values(text: str) -> list | None:
+def _values(text: str, cut: bool = False) -> list | None:
     """_json_values, also for a call written with doubled braces (`{{"name": ...}}`, as templates that escape their
     braces for str.format show the format): one outer pair peeled off, or every pair halved."""
-    got = _json_values(text)
+    got = _json_values(text, cut)
     t = text.strip()
-    if got is None and t.startswith("{{"):
+    if not got and t.startswith("{{"):
         if t.endswith("}}"):
-            got = _json_values(t[1:-1])
-        if got is None:
-            got = _json_values(t.replace("{{", "{").replace("}}", "}"))
+            got = _json_values(t[1:-1], cut) or got
+        if not got:
+            got = _json_values(t.replace("{{", "{").replace("}}", "}"), cut) or got
     return got
 
 
@@ -289,53 +383,60 @@ def _calls(values, names) -> list[ToolCall] | None:
     return [c for cs in calls for c in cs] if calls and all(c is not None for c in calls) else None
 
 
-def _tail_calls(text: str, names: set[str]) -> list[ToolCall] | None:
-    """The calls `text` is made of (fenced JSON blocks and bare JSON values, whitespace between), or None."""
+def _tail_calls(text: str, names: set[str], cut: bool = False) -> list[ToolCall] | None:
+    """The calls `text` is made of (fenced JSON blocks and bare JSON values, whitespace between), or None. `cut`:
+    `text` ends where the answer ended (a call the end cut off is left out)."""
     t = text.strip()
     if t.startswith(PYTHON_TAG):
         t = t[len(PYTHON_TAG):]
-    values, pos = [], 0
+    parts, pos = [], 0
     for m in _FENCE.finditer(t):
         if m.group(1).lower() not in FENCE_LANGS:
             return None
-        for part in (t[pos:m.start()], m.group(2)):
-            if part.strip():
-                got = _values(part)
-                if got is None:
-                    return None
-                values += got
+        parts += [t[pos:m.start()], m.group(2)]
         pos = m.end()
-    rest = t[pos:]
-    if rest.strip():
-        got = _values(rest)
+    parts = [p for p in parts + [t[pos:]] if p.strip()]
+    values = []
+    for i, part in enumerate(parts):
+        got = _values(part, cut and i == len(parts) - 1)
         if got is None:
             return None
         values += got
-    return _calls(values, names) if values else None
+    if not values:
+        return [] if cut and parts else None  # only a call the end cut off
+    return _calls(values, names)
+
+
+_HERMES = re.compile(re.escape(HERMES_OPEN) + r"(.*?)(?:(" + re.escape(HERMES_CLOSE) + r")|\Z)", re.S)
 
 
 def _split(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
-    """(where the calls start, the calls) of a finished answer; (len(text), []) when it holds none."""
+    """(where the calls start, the calls) of a finished answer; (len(text), []) when it holds none. A call that
+    the end of the answer cut off (unclosed) is left out when whole calls come before it."""
     i = text.find(HERMES_OPEN)
     if i >= 0:
-        calls, rest = [], text[i:]
-        for m in re.finditer(re.escape(HERMES_OPEN) + r"(.*?)(?:" + re.escape(HERMES_CLOSE) + r"|$)", rest, re.S):
-            got = _tail_calls(m.group(1), names)
+        calls = []
+        blocks = list(_HERMES.finditer(text, i))
+        for n, m in enumerate(blocks):
+            got = _tail_calls(m.group(1), names, cut=n == len(blocks) - 1 and m.group(2) is None)
             if got is None:
                 return len(text), []
             calls += got
-        leftover = re.sub(re.escape(HERMES_OPEN) + r".*?(?:" + re.escape(HERMES_CLOSE) + r"|$)", "", rest, flags=re.S)
+        leftover = _HERMES.sub("", text[i:])
         return (i, calls) if calls and not leftover.strip() else (len(text), [])
     i = text.find(MISTRAL)
     if i >= 0:
         body = text[i + len(MISTRAL):].strip()
-        values = _json_values(body)
+        values = _json_values(body, cut=True)
         calls = _calls(values, names) if values else None
         if calls is None:  # [TOOL_CALLS]name[ARGS]{...}[TOOL_CALLS]name2[ARGS]{...}
             calls = []
-            for part in text[i:].split(MISTRAL)[1:]:
+            parts = text[i:].split(MISTRAL)[1:]
+            for n, part in enumerate(parts):
                 name, sep, args = part.partition("[ARGS]")
-                vals = _json_values(args.strip()) if sep else None
+                vals = _json_values(args.strip(), cut=n == len(parts) - 1) if sep else None
+                if vals == [] and n == len(parts) - 1 and calls:
+                    break  # the last call's arguments, cut off
                 c = _as_call({"name": name.strip(), "arguments": vals[0]}, names) \
                     if vals and len(vals) == 1 else None
                 if c is None:
@@ -345,17 +446,24 @@ def _split(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
     # no markers: the answer ends in calls written as JSON, bare or fenced (Llama 3.x, and small models whatever
     # their template shows); the first place from which the rest is nothing but calls
     for m in _START.finditer(text):
-        calls = _tail_calls(text[m.start():], names)
+        calls = _tail_calls(text[m.start():], names, cut=True)
         if calls:
             return m.start(), calls
     return len(text), []
+
+
+def _read(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
+    """_split, then the calls the answer makes (`_kept`): (len(text), []) when none is left."""
+    at, calls = _split(text, names)
+    calls = _kept(calls, names)
+    return (at, calls) if calls else (len(text), [])
 
 
 def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished answer; no calls: the text unchanged as content. A call names one of the
     request's tools with arguments that parse as a JSON object, and nothing but calls follows it; text that only
     mentions a function is content."""
-    at, calls = _split(text, names)
+    at, calls = _read(text, names)
     return (text[:at].strip(), calls) if calls else (text, [])
 
 
@@ -451,7 +559,7 @@ class ToolStream:
 
     def end(self) -> tuple[str, list[ToolCall]]:
         text = self.sent + self.held
-        at, calls = _split(text, self.names)
+        at, calls = _read(text, self.names)
         if calls:  # the content before the calls that was held back, without the calls
             return text[len(self.sent):at].rstrip() if at > len(self.sent) else "", calls
         rest, self.held = self.held, ""
@@ -466,8 +574,14 @@ def answer_calls(body: dict, fin, names: set[str]) -> None:
     choice = body["choices"][0]
     choice["message"] = {"role": "assistant", "content": content or None,
                          "tool_calls": [c.openai() for c in calls]}
-    if fin.finish_reason != "cancelled":
-        choice["finish_reason"] = "tool_calls"
+    choice["finish_reason"] = finish_reason(fin.finish_reason, calls)
+
+
+def finish_reason(finish: str, calls: list[ToolCall]) -> str:
+    """An answer's finish_reason: "tool_calls" when it ended on its own after calls; "length" when the token limit
+    cut it (its whole calls come back, one it cut off does not, and the client learns that more may have been
+    coming) and "cancelled" stay."""
+    return "tool_calls" if calls and finish not in ("length", "cancelled") else finish
 
 
 _PIECES = re.compile(r'"?[^"]{0,11}')
