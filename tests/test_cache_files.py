@@ -213,6 +213,25 @@ def test_memos_never_write_through_a_symbolic_link(tmp_path):
     assert outside.read_text() == '{"mine": 1}'
 
 
+def test_locks_are_never_taken_through_a_symbolic_link(tmp_path):
+    from localspec.store import cachefile
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cachefile.cache_dir().mkdir(parents=True)
+    (cachefile.cache_dir() / "locks").symlink_to(elsewhere)
+    assert SC.SuffixFile(FP).save([doc(0, [1, 2, 3])]) is False
+    assert list(elsewhere.iterdir()) == []
+    (cachefile.cache_dir() / "locks").unlink()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep me")
+    lock = cachefile._lock_path(f"suffix-{FP}.json")
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(outside)
+    assert SC.SuffixFile(FP).save([doc(0, [1, 2, 3])]) is False
+    assert outside.read_text() == "keep me"
+
+
 def test_a_save_is_atomic_and_private():
     f = SC.SuffixFile(FP)
     assert f.save([doc(0, [1, 2, 3])])

@@ -191,7 +191,13 @@ def file_lock(name: str, waiting: str | None = None) -> Iterator[None]:
     """A lock shared by every localspec process of this user. When another process holds it, `waiting` is
     printed on stderr (once) and the call blocks until the lock is free."""
     path = _lock_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # a lock file is created and written: never in a folder a link leads to, never through a link at its name
+    with open_folder(path.parent, create=True) as dfd:
+        try:
+            if stat.S_ISLNK(lstat_at(path.parent, dfd, path.name).st_mode):
+                raise _refusal(errno.ELOOP, "a symbolic link: refusing to lock through it", path)
+        except FileNotFoundError:
+            pass
     lock = FileLock(str(path))
     try:
         lock.acquire(timeout=0)

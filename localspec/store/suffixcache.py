@@ -163,6 +163,12 @@ def _folder_trouble(path: Path, exc: OSError, say) -> bool:
     return True
 
 
+def _why(path: Path, exc: OSError) -> str:
+    """The cause of `exc`, naming the path it concerns where that is not `path` (the lock, its folder)."""
+    why = exc.strerror or str(exc)
+    return why if exc.filename is None or Path(exc.filename) == path else f"{exc.filename}: {why}"
+
+
 def read_bound(max_tokens: int) -> int:
     """The most bytes a cache file of `max_tokens` tokens is read up to; a larger one is not read."""
     return max(MIN_READ_BYTES, BYTES_PER_TOKEN * max(0, max_tokens))
@@ -221,7 +227,7 @@ def _parse(path: Path, fp: str, say, limit: int = MIN_READ_BYTES) -> list[dict] 
         if exc.errno == errno.EFBIG:  # a regular file of its own: replaced on the next save, as a damaged one
             _notice(path, f"is {exc.strerror}", say)
             return []
-        _notice(path, f"cannot be read ({exc.strerror or exc})", say, "it is not used")
+        _notice(path, f"cannot be read ({_why(path, exc)})", say, "it is not used")
         return None
     except (ValueError, TypeError):
         _notice(path, "is damaged", say)
@@ -269,7 +275,7 @@ class SuffixFile:
         except OSError as exc:
             if _folder_trouble(self.path, exc, self.say):
                 return False
-            _notice(self.path, f"cannot be written ({exc.strerror or exc})", self.say,
+            _notice(self.path, f"cannot be written ({_why(self.path, exc)})", self.say,
                     "answers are kept within this process only")
             return False
 
