@@ -199,6 +199,12 @@ class Generation:
             self.end("length")
             return None
         drafter, k = self.policy.choose(self.context)
+        self._left_bit()
+        if self.level == "bit":
+            # a bit request never verifies more rows than the probe found bit-identical, whatever its policy asks
+            # (a repeat offer, a drafter's own length): wider passes write KV rows whose bytes differ from one-token
+            # decoding's, and a near-tie later in the answer can then flip
+            k = min(k, self.stats.k_cap)
         k = max(0, min(k, remaining - 1, room, k if budget is None else budget))
         return drafter, k
 
@@ -208,6 +214,9 @@ class Generation:
         td = time.perf_counter()
         proposal = drafter.propose(self.context, k, self.sp_draft, self.source()) if (drafter is not None and k > 0) \
             else Proposal()
+        if len(proposal.tokens) > k:  # the step's rows were planned for k drafts: a longer proposal is cut there
+            proposal = Proposal(proposal.tokens[:k], None if proposal.q is None else proposal.q[:k],
+                                proposal.catch_up_s)
         if self.banned and any(t in self.banned for t in proposal.tokens):  # the biased rows would reject them
             cut = next(i for i, t in enumerate(proposal.tokens) if t in self.banned)
             proposal = Proposal(proposal.tokens[:cut], None if proposal.q is None else proposal.q[:cut],
@@ -263,11 +272,7 @@ class Generation:
         st.method_used[source or "none"] += 1
         st.k_used[k if drafter is not None else 0] += 1
         self.policy.observe(drafter, k, gamma, n_acc, step.t_draft, cost)
-        switched = getattr(self.policy, "switched", None)
-        if switched and self.level == "bit":  # exactness auto left the bit cap: say so, and from where
-            self.level = st.exactness = "lossless"
-            st.k_cap = cfg.k
-            st.exactness_reason = f"{switched} (from token {st.completion_tokens + 1})"
+        self._left_bit()
         self._take([(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)], rows)
 
     def end(self, reason: str) -> None:
@@ -311,6 +316,16 @@ class Generation:
         return fin
 
     # ------------------------------------------------------------ inside
+    def _left_bit(self) -> None:
+        """Where the policy has left the bit cap (exactness auto, `switched`), the request is at lossless from the
+        next token on, k up to what it asked for: said in its stats, and from where."""
+        switched = getattr(self.policy, "switched", None)
+        if switched and self.level == "bit":
+            st = self.stats
+            self.level = st.exactness = "lossless"
+            st.k_cap = max(st.k_cap, self.cfg.k)
+            st.exactness_reason = f"{switched} (from token {st.completion_tokens + 1})"
+
     def _shape(self, row: np.ndarray, allowed=None) -> np.ndarray:
         if self.bias is not None:
             row = row + self.bias[:len(row)]

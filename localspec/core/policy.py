@@ -247,20 +247,22 @@ class AdaptivePolicy:
     """Chooses (drafter, k) per step; `state` persists across generations (same engine)."""
 
     def __init__(self, drafters: dict[str, Drafter], k_max: int, state: dict | None = None,
-                 cost_prior: dict | None = None, verify_prior: dict | None = None, bit_cap: int | None = None) -> None:
+                 cost_prior: dict | None = None, verify_prior: dict | None = None, bit_cap: int | None = None,
+                 repeats: bool = True) -> None:
         """cost_prior: drafter name -> draft cost per token relative to one target step, used until measured
         (default: each drafter's own `cost()`). verify_prior: batch size -> T(b)/T(1) as calibrated on this
         machine, used for batch sizes not yet timed. bit_cap (exactness auto): k stays within it, so verify
         batches are bit-exact, until the cost model says a k above it pays by more than SWITCH_MARGIN; then the
         policy leaves bit exactness for the rest of the answer (`switched` says why) and uses k up to k_max, and
-        up to `k_repeat` for an offer that repeats earlier text (Offer.repeat)."""
+        up to `k_repeat` for an offer that repeats earlier text (Offer.repeat). repeats False: a repeat too stays
+        within k_max (exactness bit: k_max is the probe's cap, and a wider verify is not bit-exact)."""
         self.bit_cap = bit_cap if bit_cap is not None and bit_cap < k_max else None
         self.switched: str | None = None
         self.drafters = drafters
         self.cost_prior = {n: d.cost() for n, d in drafters.items() if d.cost() is not None}
         self.cost_prior.update(cost_prior or {})
         self.k_max = max(1, k_max)
-        self.k_repeat = repeat_k(self.k_max)
+        self.k_repeat = repeat_k(self.k_max) if repeats else self.k_max
         st = state if state is not None else {}
         st.setdefault("curve", VerifyCurve())
         st.setdefault("est", {})
@@ -519,7 +521,9 @@ def build_policy(cfg, method: str, k: int, drafters: dict[str, Drafter], state: 
         bit_cap = k if (cfg.exactness == "auto" and k < cfg.k and not env_allows_inexact()) else None
         k_max = cfg.k if bit_cap is not None else k
         curve = costs(repeat_k(k_max) + 1) if costs is not None else None
-        return AdaptivePolicy(drafters, k_max, state, None, curve, bit_cap=bit_cap), method
+        # under exactness bit, k is the probe's cap for every offer, a repeat's too
+        return AdaptivePolicy(drafters, k_max, state, None, curve, bit_cap=bit_cap,
+                              repeats=cfg.exactness != "bit"), method
     if method == "auto":
         heads = [d for d in drafters if d in HEAD_KINDS]
         method = heads[0] if heads else ("draft" if "draft" in drafters else "lookup")
