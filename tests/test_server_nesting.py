@@ -71,10 +71,23 @@ def test_deep_arguments_of_a_function_call_item_are_a_400(open_api, arguments):
     assert "input[1]" in one_line_400(status, err, "input")
 
 
-def test_arguments_nested_within_bounds_are_read(open_api):
-    status, _, body = post(open_api, "/v1/chat/completions", {"messages": history(deep_text(20)), "tools": TOOLS,
-                                                              "max_tokens": 2})
-    assert status == 200, body
+def test_json_nested_up_to_the_bound_is_read(open_api):
+    """At the bound every walk over the request (the template, schemas, the prompt's plain text) still runs."""
+    from localspec.server.openai import MAX_DEPTH
+
+    for arguments in (deep_text(20), deep_text(MAX_DEPTH), nested(MAX_DEPTH - 7)):
+        status, _, body = post(open_api, "/v1/chat/completions", {"messages": history(arguments), "tools": TOOLS,
+                                                                  "max_tokens": 2})
+        assert status == 200, body
+    schema = deep_schema((MAX_DEPTH - 5) // 2)
+    for choice in ("auto", "required"):
+        status, _, body = post(open_api, "/v1/chat/completions", {"messages": [USER], "max_tokens": 2, "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": schema}}], "tool_choice": choice})
+        assert status in (200, 400) and "internal" not in json.dumps(body), body
+    fmt = {"type": "json_schema", "json_schema": {"name": "o", "schema": deep_schema((MAX_DEPTH - 5) // 2)}}
+    status, _, body = post(open_api, "/v1/chat/completions", {"messages": [USER], "max_tokens": 2,
+                                                              "response_format": fmt})
+    assert status in (200, 400) and "internal" not in json.dumps(body), body
 
 
 @pytest.mark.parametrize("where", ["tools", "response_format"])
