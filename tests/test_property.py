@@ -244,12 +244,9 @@ def cases_for(engine, salt: int) -> list[Case]:
 
 
 # ------------------------------------------------------------------ N = 1
-def test_every_drafter_alone_gives_plain_decodings_answer(capped, scope, monkeypatch):
-    """Random requests, each with a random policy over every drafter (the adversarial one included) at bit and at
-    lossless, caches warm or cold at random: bit is plain decoding's answer, lossless the target's argmax."""
-    engine = capped
-    cases = cases_for(engine, 1)
-    rng = np.random.default_rng(SEED + 11)
+def random_policy_runs(engine, cases: list[Case], rng: np.random.Generator, scope: str, monkeypatch) -> int:
+    """Each case at bit and at lossless with a random policy over every drafter `engine` has for auto and the
+    adversarial one, caches warm or cold at random; checked against plain decoding. Returns the tokens drafted."""
     adversary = AdversarialDrafter(cases, rng, engine.target.n_vocab)
     real = engine.make_policy
 
@@ -270,7 +267,67 @@ def test_every_drafter_alone_gives_plain_decodings_answer(capped, scope, monkeyp
             bit_steps_within_cap(fin, BIT_CAP, f"seed {case.seed}")
             check(engine, case, fin, level, "random policy")
             drafted += fin.stats.drafted
+    monkeypatch.undo()
+    return drafted
+
+
+def test_every_drafter_alone_gives_plain_decodings_answer(capped, scope, monkeypatch):
+    """Random requests, each with a random policy over every drafter (the adversarial one included) at bit and at
+    lossless, caches warm or cold at random: bit is plain decoding's answer, lossless the target's argmax."""
+    drafted = random_policy_runs(capped, cases_for(capped, 1), np.random.default_rng(SEED + 11), scope, monkeypatch)
     assert drafted > 0  # the policy drafted: the property was tested, not plain decoding against itself
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("property-heads")
+
+
+def _head_pair(kind: str, heads_dir, target_path, other_vocab_path):
+    """(target, draft) paths of a pair whose drafter is `kind`: a draft model of another vocabulary, or a draft head
+    (EAGLE-3, DFlash, DSpark beside a bigram target; MTP layers inside the target)."""
+    import tinyheads as H
+
+    if kind == "cross-vocab":
+        return target_path, other_vocab_path
+    if kind == "mtp":
+        return H.write_glm4moe_mtp(heads_dir / "mtp.gguf", 7), None
+    target = H.write_bigram_target(heads_dir / "bigram.gguf", 7)
+    head = {"eagle3": lambda p: H.write_eagle3(p, 3, agree_with=7),
+            "dflash": lambda p: H.write_dflash(p, 3, agree_with=7),
+            "dspark": lambda p: H.write_dspark(p, 3, agree_with=7, wrong=0.2)}[kind](heads_dir / f"{kind}.gguf")
+    return target, head
+
+
+@pytest.mark.parametrize("kind", ["cross-vocab", "eagle3", "dflash", "dspark", "mtp"])
+def test_other_drafters_give_plain_decodings_answer(kind, heads_dir, target_path, other_vocab_path, monkeypatch):
+    """The drafters of other pairs (a draft model of another vocabulary, each draft head), with the request's other
+    drafters and the adversarial one under a random policy: the same property."""
+    from localspec.core.engine import Engine
+    from localspec.drafters.suffix import private_scope, release_scope
+    from localspec.llama import heads as LH
+
+    if kind in ("eagle3", "dflash", "dspark", "mtp"):
+        try:
+            LH.require_head(kind)
+        except Exception as exc:  # a llama.cpp build without the head's entry points
+            pytest.skip(str(exc))
+    target, draft = _head_pair(kind, heads_dir, target_path, other_vocab_path)
+    monkeypatch.setenv("LOCALSPEC_NO_COST_CALIBRATION", "1")
+    engine = Engine.load(target, draft, n_ctx=1024)
+    engine._probe = (64, BIT_CAP + 1)
+    engine.suffix_scope = scope = private_scope()
+    try:
+        want = {"cross-vocab": "draft", "dspark": "dflash"}.get(kind, kind)  # a DSpark head drafts as dflash
+        from localspec.core.engine import GenConfig
+
+        assert want in engine.drafters_for(GenConfig(), "auto")
+        cases = cases_for(engine, 5)[:max(2, CASES // 2)]
+        drafted = random_policy_runs(engine, cases, np.random.default_rng(SEED + 55), scope, monkeypatch)
+        assert drafted > 0
+    finally:
+        engine.close()
+        release_scope(scope)
 
 
 def test_auto_with_warm_repeats_keeps_bit(capped, scope):
