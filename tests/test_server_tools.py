@@ -429,3 +429,36 @@ def test_an_echoed_function_call_item_on_responses_is_text(open_api, monkeypatch
         {"type": "function_call_output", "call_id": "call_1", "output": RESULT}]}))
     assert status == 200, body
     assert [o["type"] for o in body["output"]] == ["message"], body
+
+
+def test_a_cut_answer_on_responses_keeps_its_whole_calls(open_api, monkeypatch):
+    Cut(monkeypatch, open_api.session.engine, [CUT["hermes"]])
+    status, _, body = open_api.raw("POST", "/v1/responses", json.dumps({"tools": [{
+        "type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}],
+        "input": "Weather in Paris?"}))
+    assert status == 200 and body["status"] == "incomplete", body
+    assert [(o["type"], o.get("name")) for o in body["output"]] == [("function_call", "get_weather")], body
+
+
+def test_which_calls_count_as_answered():
+    from localspec.server.tools import reading
+
+    def turn(calls, results):
+        return [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": i, "type": "function", "function": {"name": "add", "arguments": {"a": a}}}
+                    for i, a in calls]},
+                *[{"role": "tool", "content": "3", **({"tool_call_id": r} if r else {})} for r in results]]
+
+    def echoed(msgs, a):  # whether add(a) is read as an echo
+        return parse('{"name": "add", "arguments": {"a": %d}}' % a, reading(NAMES, msgs))[1] == []
+
+    both = turn([("c1", 1), ("c2", 2)], ["c1"])
+    assert echoed(both, 1) and not echoed(both, 2)  # c2 has no result yet
+    assert echoed(turn([("c1", 1)], [None]), 1)  # a result without ids answers the calls before it
+    assert not echoed(turn([("c1", 1)], []), 1)  # no result
+    sent = turn([("c1", 1)], ["c1"])
+    sent[1]["tool_calls"][0]["function"]["arguments"] = '{"b":  [2], "a": 1}'  # as the client sent it
+    assert parse('{"name": "add", "arguments": {"a": 1, "b": [2]}}', reading(NAMES, sent))[1] == []
+    assert parse('{"name": "add", "arguments": {"a": 1}}', reading(NAMES, turn([("c1", 1)], ["c1"]), True,
+                                                                      "required"))[1]  # forced: a call

@@ -88,13 +88,15 @@ def reading(names: set[str], msgs: list[dict], parallel: bool = True, tool_choic
     if tool_choice not in (None, "auto"):  # a forced call is the answer, whatever it repeats
         return out
     start = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=-1) + 1
-    turn = msgs[start:]
-    answered = set()
-    for i, m in enumerate(turn):
-        results = [r.get("tool_call_id") for r in turn[i + 1:] if r["role"] == "tool"]
-        for c in (m.get("tool_calls") or ()) if m["role"] == "assistant" else ():
-            if results and (c.get("id") in results or not c.get("id") or None in results):
-                answered.add(_key(c["function"]["name"], c["function"]["arguments"]))
+    answered, later, unnamed = set(), set(), False  # the ids of the results after a message; one without an id
+    for m in reversed(msgs[start:]):
+        if m["role"] == "tool":
+            later.add(m.get("tool_call_id"))
+            unnamed = unnamed or not m.get("tool_call_id")
+        elif m["role"] == "assistant" and later:
+            for c in m.get("tool_calls") or ():
+                if c.get("id") in later or not c.get("id") or unnamed:
+                    answered.add(_key(c["function"]["name"], c["function"]["arguments"]))
     out.answered = frozenset(answered)
     return out
 
