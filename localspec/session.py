@@ -25,7 +25,7 @@ from localspec.llama import aborts  # hooks only: no llama_cpp import
 from localspec.llama.threads import check_threads
 from localspec.models import download, registry, remote
 from localspec.models import hubname as hfname
-from localspec.models.spec import FileSpec
+from localspec.models.spec import FileSpec, is_file, user_path
 from localspec.printable import printable
 from localspec import rpcwire as rpc
 from localspec.settings import Setting
@@ -61,9 +61,13 @@ def tuned_key(model: str, pair) -> str | None:
     same file name, or this file rewritten, never picks up its result. None: a file that is not there."""
     if pair is not None:
         return pair.name
-    if hfname.is_hub_name(model) and not Path(model).expanduser().is_file():
+    try:
+        p = user_path(model)
+        hub = hfname.is_hub_name(model) and not is_file(p, model)
+    except UsageError:  # a `~USER` that names no user, a name too long to look up: no file, no stored result
+        return None
+    if hub:
         return str(hfname.parse(model))
-    p = Path(model).expanduser()
     try:
         st = p.stat()
         return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"

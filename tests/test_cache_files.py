@@ -380,3 +380,9 @@ def test_a_negative_suffix_cache_tokens_is_refused(tmp_path):
     assert "suffix_cache_tokens" in line and "config.toml" in line
     assert cli(["config", "unset", "suffix_cache_tokens"]).returncode == 0  # the repair
     assert cli(["config", "set", "suffix_cache_tokens", "0"]).returncode == 0
+
+
+def test_cache_build_of_a_folder_name_the_file_system_refuses_is_one_error_line():
+    for folder in ("a" * 5000, "~no-such-user-here/x"):
+        line = one_error_line(cli(["cache", "build", folder]))
+        assert len(line) < 500 and "OSError" not in line and "RuntimeError" not in line, line

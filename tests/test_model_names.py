@@ -106,3 +106,13 @@ def test_run_json_names_a_draft_head_file(head_files, env, method):
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["draft_kind"] == "head" and d["draft"] == head_files[method].name, d
+
+
+def test_tune_results_are_not_looked_up_for_a_name_the_file_system_refuses(names_env):
+    from localspec.session import tuned_key
+
+    for name in (f"hf://owner/repo/{LONG}.gguf", "~no-such-user-here/x.gguf", LONG):
+        assert tuned_key(name, None) is None
+        r = cli(["config", "--json", "-m", name], names_env)
+        assert r.returncode == 0 and not r.stderr.strip(), r.stderr.decode()[-500:]
+        assert json.loads(r.stdout)["settings"]["model"]["value"] == name

@@ -180,11 +180,13 @@ def cache_build(
     Read: regular UTF-8 text files up to 4 MB. Skipped: hidden files and folders (a name starting with a dot: .git,
     .env) and symbolic links, to files or folders (never followed out of the folder)."""
     from localspec.errors import UsageError
+    from localspec.models.spec import is_dir, shown, user_path
     from localspec.store import suffixcache as SC
 
-    root = folder.expanduser()
-    if not root.is_dir():
-        raise UsageError(f"cannot read folder {folder}: " + ("not a folder" if root.exists() else "no such folder"))
+    root = user_path(str(folder))  # a `~USER` that names no user, a name too long to look up: usage errors
+    if not is_dir(root, folder):
+        raise UsageError(f"cannot read folder {shown(folder)}: "
+                         + ("not a folder" if os.path.exists(root) else "no such folder"))
     bound = SC.STATIC_TOKENS if max_tokens is None else max_tokens
     # every process that drafts reads the file back, up to a size bound: a larger one would be built, then skipped
     most = SC.MIN_READ_BYTES // SC.BYTES_PER_TOKEN
