@@ -301,6 +301,16 @@ def test_config_set_and_unset(target_path):
     assert json.loads(cli(["config", "--json"]).stdout)["settings"]["max_tokens"]["source"] == "default"
 
 
+def test_config_set_takes_a_negative_number_as_the_value():
+    assert cli(["config", "set", "gpu_layers", "-1"]).returncode == 0
+    shown = json.loads(cli(["config", "--json"]).stdout)["settings"]["gpu_layers"]
+    assert shown["value"] == -1 and shown["source"].startswith("file ")
+    line = one_error_line(cli(["config", "set", "suffix_cache_tokens", "-1"]))
+    assert "suffix_cache_tokens" in line and ">= 0" in line
+    assert json.loads(cli(["config", "--json"]).stdout)["settings"]["gpu_layers"]["value"] == -1  # the file kept
+    one_error_line(cli(["config", "set", "--bogus", "gpu_layers", "1"]))  # an unknown option stays an error
+
+
 
 # ------------------------------------------------------------------ bench and tune check their input first
 BENCH = ["bench", "--methods", "lookup", "--k", "2", "-n", "4", "--limit", "1", "--categories", "code"]

@@ -56,7 +56,8 @@ def _setting_key(key: str) -> str:
     return k
 
 
-@config_app.command("set")
+# a negative number is a value, not an option: `config set gpu_layers -1`
+@config_app.command("set", context_settings={"ignore_unknown_options": True})
 def config_set(key: Annotated[str, typer.Argument(help="Setting name, as `localspec config` lists them.")],
                value: Annotated[str, typer.Argument(help="The value.")]):
     """Store a setting in the config file (checked first; the file's other keys are kept)."""
