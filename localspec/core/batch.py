@@ -224,7 +224,7 @@ class BatchEngine(PassShapes):
     def exactness_for(self, cfg: GenConfig) -> tuple[int, str, str]:
         """(k, level, why) for a batched request: Engine's answer; at lossless where batching is never bit-exact
         here; where only some pass shapes are not, at bit until the request shares such a pass (step() says)."""
-        k, level, why = self.engine.exactness_for(cfg)
+        k, level, why = self.engine.exactness_for(cfg, rows=self.bit_rows())  # the rows its probe decoded
         if self.engine.resolve_method(cfg) == "none" or cfg.k <= 0:
             k = 0
         if level != "bit":

@@ -331,9 +331,11 @@ class Engine:
             self._probe = (upto, int(X.max_exact_batch(self.target, upto, **kw)))
         return min(k, self._probe[1] - 1)
 
-    def exactness_for(self, cfg: GenConfig, cancel: threading.Event | None = None) -> tuple[int, str, str]:
+    def exactness_for(self, cfg: GenConfig, cancel: threading.Event | None = None,
+                      rows: int | None = None) -> tuple[int, str, str]:
         """(k, level, reason): the k to speculate with under cfg.exactness, the level in use (bit | lossless)
-        and why, in plain words."""
+        and why, in plain words. `rows`: the most verify rows per request that the probe of the context it decodes
+        in checked (a batch's pass shapes: BatchEngine.bit_rows); None: the target's own probe, which checks k + 1."""
         k = cfg.k
         if self.resolve_method(cfg) == "none" or k <= 0:
             return 0, "bit", "bit: plain decoding (no verify batches)"
@@ -347,12 +349,20 @@ class Engine:
             return k, "lossless", ("lossless: chosen, so k is uncapped; every token is the target's choice in the "
                                    "pass that emitted it, only float reduction order differs from one-token decoding")
         cap = self.exact_k(k, cancel)
+        # bit is claimed only for verify shapes a probe decoded: in a batch, passes of up to `rows` rows a request,
+        # whatever the target alone would allow; the k in use (and reported) is that cap, for any method
+        unprobed = rows is not None and cap > rows - 1
+        if unprobed:
+            cap = rows - 1
         if level == "auto" and cap < min(AUTO_MIN_BIT_K, k):
             return k, "lossless", (f"lossless: bit-exact verify needs k <= {cap} on this backend, so k is uncapped; "
                                    "only float reduction order differs")
         if cap == 0:
             return 0, "bit", ("bit: verify batches of 2 or more rows are not bit-identical to one-token decoding "
                               "here, so bit exactness means plain decoding")
+        if unprobed:
+            return cap, "bit", (f"bit: k capped at {cap}; in a batch, passes of up to {rows} rows a request were "
+                                "found bit-identical to one-token decoding here, bigger ones were not checked")
         if cap < k:
             return cap, "bit", (f"bit: k capped at {cap}; verify batches up to {cap + 1} rows are bit-identical to "
                                 "one-token decoding here, bigger ones are not")
