@@ -319,6 +319,41 @@ class Model(Tokens):
         self.last_replay = (replay, start)
         return replay
 
+    def state_bytes(self) -> bytes:
+        """Sequence 0's KV state for the tokens the cache holds (`self.tokens`), as llama.cpp serializes it
+        (llama_state_seq_get_data): what restore_state() puts back, in this process or another one with the same
+        model file, build and settings (store/prompt_states.py keys it). b"" where there is nothing to save, or
+        the model is not a plain transformer (rollback kind "kv": a recurrent state is not kept this way)."""
+        if self.rollback_kind != "kv" or not self.tokens:
+            return b""
+        size = int(_ll.llama_state_seq_get_size(self._ctx, 0))
+        if size <= 0:
+            return b""
+        buf = (ctypes.c_uint8 * size)()
+        n = int(_ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
+        return ctypes.string_at(buf, n) if n > 0 else b""
+
+    def restore_state(self, tokens: Sequence[int], data: bytes) -> bool:
+        """Replace the cache with a state_bytes() state of `tokens`: the cache is cleared, `data` loaded into
+        sequence 0 (llama_state_seq_set_data) and `self.tokens` set to `tokens`. False, with an empty cache, where
+        llama.cpp refuses the bytes (another KV type or layer count, more cells than the context), they hold
+        another number of tokens than `tokens`, or the model is recurrent/hybrid (rollback kind other than "kv":
+        refused without a try). No logits are produced: the caller decodes at least the next token."""
+        tokens = [int(t) for t in tokens]
+        if self.rollback_kind != "kv" or not tokens or not data or len(tokens) > self.n_ctx:
+            if self.rollback_kind == "kv":
+                self.clear()
+            return False
+        self.clear()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        n = int(_ll.llama_state_seq_set_data(self._ctx, buf, len(data), 0))
+        if (n <= 0 or int(_ll.llama_memory_seq_pos_min(self._mem, 0)) != 0
+                or int(_ll.llama_memory_seq_pos_max(self._mem, 0)) != len(tokens) - 1):
+            self.clear()
+            return False
+        self.tokens = tokens
+        return True
+
     def clear(self) -> None:
         _ll.llama_memory_clear(self._mem, True)
         self.tokens.clear()
