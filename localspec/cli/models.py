@@ -253,11 +253,11 @@ def models_add(
 ):
     """Add your own pair (stored in your user config, never in the shipped file). Names: letters, digits, . - _"""
     from localspec.models import hubname as hfname
-    from localspec.models import registry, remote
+    from localspec.models import local, registry, remote
 
     registry.check_name(name)
-    t = hfname.file_spec(target)
-    d = hfname.file_spec(draft) if draft else None
+    t = hfname.file_spec(target, local.ollama_file)
+    d = hfname.file_spec(draft, local.ollama_file) if draft else None
     from localspec.models.gguf_header import drafter_kind, pair_incompatibility
 
     metas = remote.header_metadata(t, d) if d is not None else remote.header_metadata(t)  # local or remote

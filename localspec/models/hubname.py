@@ -225,15 +225,14 @@ def resolve(h: HubName):
     return FileSpec(repo=h.repo, file=f.path, revision=f.revision or h.revision, size=f.size)
 
 
-def file_spec(s: str):
+def file_spec(s: str, ollama=None):
     """One file for `models add`: a local path, `ollama:NAME[:TAG]` (the blob in Ollama's store it names now, read
-    where it lies, as -m reads it), or a hub name (OWNER/REPO[:QUANT] is picked from the listing now, so the pair
-    stores a definite file)."""
-    from localspec.models import local
-
+    where it lies, as -m reads it: `ollama(s)` gives it, models/local.ollama_file, passed in by the caller since
+    local reads this module), or a hub name (OWNER/REPO[:QUANT] is picked from the listing now, so the pair stores
+    a definite file)."""
     p = user_path(s)
-    if not is_file(p, s) and local.is_ollama_name(s):
-        p = local.ollama_path(s)
+    if not is_file(p, s) and ollama is not None:
+        p = ollama(s) or p
     if is_file(p, s):
         check_gguf_file(p, s)
         return FileSpec(path=str(p.resolve()))

@@ -108,6 +108,11 @@ def _manifest_blob(data: dict, root: Path) -> Path | None:
     return root / "blobs" / f"{algo}-{hexd}"
 
 
+def ollama_file(name: str) -> Path | None:
+    """The blob an `ollama:` name points to now (None: not such a name)."""
+    return ollama_path(name) if is_ollama_name(name) else None
+
+
 def ollama_path(spec: str) -> Path:
     """The GGUF blob of `ollama:NAME[:TAG]` in Ollama's store, or a one-line UsageError that says what is there."""
     name = spec[len(OLLAMA_PREFIX):] if is_ollama_name(spec) else spec
