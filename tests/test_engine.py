@@ -346,7 +346,7 @@ def test_cache_writes_are_atomic(monkeypatch, tmp_path):
     cachefile.write_json("x.json", {"a": 1})
     assert cachefile.read_json("x.json") == {"a": 1}
 
-    def broken(src, dst):
+    def broken(src, dst, **kw):  # write_at passes the folder descriptor (src_dir_fd, dst_dir_fd)
         raise OSError("disk full")
 
     monkeypatch.setattr(cachefile.os, "replace", broken)
