@@ -69,6 +69,19 @@ def test_a_rejected_request_is_counted(open_api):
                                                                          outcome="failed")
 
 
+def counted_as_client_error(api, before, health) -> None:
+    """Since `before` (a scrape) and `health` (/health's generations), one request counted as client_error and none
+    as failed, in requests_total and in /health."""
+    after, health2 = scrape(api), api.health()["generations"]
+
+    def d(outcome):
+        return v(after, "localspec:requests_total", outcome=outcome) - \
+            v(before, "localspec:requests_total", outcome=outcome)
+
+    assert d("failed") == 0 and d("client_error") == 1
+    assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
+
+
 @pytest.mark.parametrize("path,body", [("/v1/completions", {"prompt": "x " * 9000, "max_tokens": 2}),
                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x " * 9000}],
                                                                  "max_tokens": 2})])
@@ -81,14 +94,7 @@ def test_a_prompt_longer_than_the_context_is_a_client_error_not_a_failure(open_a
     status, _, err = open_api.raw("POST", path, json.dumps(body))
     assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
     assert "8192" in err["error"]["message"] and "context size" in err["error"]["message"]
-    after, health2 = scrape(open_api), open_api.health()["generations"]
-
-    def d(outcome):
-        return v(after, "localspec:requests_total", outcome=outcome) - \
-            v(before, "localspec:requests_total", outcome=outcome)
-
-    assert d("failed") == 0 and d("client_error") == 1
-    assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
+    counted_as_client_error(open_api, before, health)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -102,14 +108,7 @@ def test_a_bias_banning_every_token_is_a_client_error_not_a_failure(open_api, st
     status, _, err = open_api.raw("POST", "/v1/chat/completions", json.dumps({
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "logit_bias": ban, "stream": stream}))
     assert status == 400 and err["error"]["param"] == "logit_bias", err
-    after, health2 = scrape(open_api), open_api.health()["generations"]
-
-    def d(outcome):
-        return v(after, "localspec:requests_total", outcome=outcome) - \
-            v(before, "localspec:requests_total", outcome=outcome)
-
-    assert d("failed") == 0 and d("client_error") == 1
-    assert health2["failed"] == health["failed"] and health2["client_error"] == health.get("client_error", 0) + 1
+    counted_as_client_error(open_api, before, health)
 
 
 def test_every_outcome_shows_from_the_start(session):
