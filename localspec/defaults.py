@@ -23,4 +23,5 @@ P_MIN = 0.75
 LOOKUP_MIN = 2
 LOOKUP_MAX = 4
 SUFFIX_CACHE_TOKENS = 100_000  # tokens of earlier prompts and answers the suffix drafter keeps (~0.6 MB on disk)
+PROMPT_CACHE_BYTES = 4 << 30  # disk budget of the prompt states (store/prompt_states.py)
 AUTO_MIN_BIT_K = 2  # auto keeps bit-exactness when the probe's cap leaves at least this many draft tokens

@@ -197,6 +197,9 @@ class Session:
         self.draft_path: Path | None = None
         self.chat_template: str | None = None  # a Jinja template that replaces the target's own (--chat-template)
         self.dropped_draft: str | None = None  # why resolve_models left out an incompatible draft (--method auto)
+        # whether the engine keeps prompt states on disk (core/prompt_cache.py) where the setting prompt_cache is on:
+        # the front ends that decode one request at a time (run, chat); bench measures cold prompts
+        self.prompt_states = False
 
     # ------------------------------------------------------------ settings
     @property
@@ -340,6 +343,11 @@ class Session:
         for attr in ("dropped_draft", "template_warning"):
             if getattr(engine, attr, None):
                 setattr(engine, attr, printable(getattr(engine, attr)))
+        if self.prompt_states and v["prompt_cache"] and v["prompt_cache_bytes"] > 0:
+            from localspec.core.prompt_cache import PromptCache
+            from localspec.store.prompt_states import PromptStates
+
+            engine.prompt_cache = PromptCache(PromptStates(budget=v["prompt_cache_bytes"]))
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft
         return engine

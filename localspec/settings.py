@@ -41,11 +41,15 @@ SETTINGS: dict[str, tuple[type, Any, str]] = {
                                  "dir (`localspec cache`); false: within a process only"),
     "suffix_cache_tokens": (int, D.SUFFIX_CACHE_TOKENS, "most tokens the suffix cache keeps (oldest requests dropped "
                                                         "first; 0 = no cache)"),
+    "prompt_cache": (bool, True, "keep the KV state of long prompts' prefixes on disk, so a later run or chat with the "
+                                 "same start restores it instead of decoding it (`localspec cache`)"),
+    "prompt_cache_bytes": (int, D.PROMPT_CACHE_BYTES, "disk budget of the prompt cache in bytes (least recently used "
+                                                      "states deleted first; 0 = none kept)"),
 }
 
 # the least value of a whole-number setting, checked wherever it is read (config file, environment, `config set`), so
 # a stored value cannot mean something else in each place that reads it
-MINIMUM = {"suffix_cache_tokens": 0}
+MINIMUM = {"suffix_cache_tokens": 0, "prompt_cache_bytes": 0}
 
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")

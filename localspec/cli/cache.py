@@ -1,5 +1,6 @@
-"""`localspec cache`: the suffix drafter's cache of earlier prompts and answers, shown and cleared, and a static cache
-built from a folder of text or code."""
+"""`localspec cache`: the suffix drafter's cache of earlier prompts and answers and the prompt states (the KV state of
+long prompts' prefixes, core/prompt_cache.py), shown and cleared, and a static suffix cache built from a folder of text
+or code."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import typer
 
 from localspec.cli.options import ModelOpt, flags
 
-cache_app = typer.Typer(help="The suffix cache of earlier prompts and answers: show its size, clear it, build a "
-                             "static one from a folder.", no_args_is_help=True)
+cache_app = typer.Typer(help="The suffix cache of earlier prompts and answers and the prompt states: show their size, "
+                             "clear them, build a static suffix cache from a folder.", no_args_is_help=True)
 MAX_FILE_BYTES = 4 << 20  # a larger file is data, not text to draft from
 
 
 def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} kB"
 
 
 def _shown(text) -> str:
@@ -35,9 +36,11 @@ def _shown(text) -> str:
 
 @cache_app.command("show")
 def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False):
-    """Where the suffix cache lives, its files, documents, tokens and size on disk, and its settings."""
+    """Where the suffix cache lives, its files, documents, tokens and size on disk, and its settings; the prompt
+    states kept on disk (how many, their size, for which models)."""
     from localspec import settings as config
     from localspec.store import suffixcache as SC
+    from localspec.store.prompt_states import PromptStates
 
     from localspec.printable import printable
 
@@ -53,10 +56,14 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-rea
              "tokens": tokens, "bytes": size} for path, docs, tokens, size in found]
     total = {"documents": sum(r["documents"] for r in rows), "tokens": sum(r["tokens"] for r in rows),
              "bytes": sum(r["bytes"] for r in rows)}
+    states = PromptStates(budget=v["prompt_cache_bytes"]).summary()
+    states["on"] = v["prompt_cache"]
     if as_json:
         typer.echo(json.dumps({"folder": str(SC.folder()), "persist": v["suffix_cache"],
-                               "max_tokens": v["suffix_cache_tokens"], "files": rows, "total": total}, indent=1))
+                               "max_tokens": v["suffix_cache_tokens"], "files": rows, "total": total,
+                               "prompt_states": states}, indent=1))
         return
+    _show_states(states)
     state = "on" if v["suffix_cache"] else "off (suffix_cache = false: kept within a process only)"
     sys.stderr.write(printable(f"suffix cache in {SC.folder()}: persistence {state}, at most "
                                f"{v['suffix_cache_tokens']} tokens per vocabulary") + "\n")
@@ -75,23 +82,48 @@ def cache_show(as_json: Annotated[bool, typer.Option("--json", help="Machine-rea
     sys.stderr.write(f"total: {total['documents']} documents, {total['tokens']} tokens, {_size(total['bytes'])}\n")
 
 
+def _show_states(s: dict) -> None:
+    from localspec.printable import printable
+
+    state = "on" if s["on"] else "off (prompt_cache = false)"
+    line = f"prompt states in {s['folder']}: {state}, at most {_size(s['budget'])}; "
+    if not s["count"]:
+        line += "none"
+    else:
+        models = ", ".join(f"{name} ({n})" for name, n in sorted(s["models"].items()))
+        line += f"{s['count']} state{'s' if s['count'] != 1 else ''}, {_size(s['bytes'])}: {models}"
+    sys.stderr.write(printable(line) + "\n")
+
+
 @cache_app.command("clear")
-def cache_clear():
-    """Delete the suffix cache (every vocabulary's and scope's, static ones too): localspec's own files in its cache
-    folder, nothing else. Running processes keep what they hold in memory."""
+def cache_clear(
+    prompt_states: Annotated[bool, typer.Option("--prompt-states", help="Only the prompt states (the suffix cache "
+                                                "is kept).")] = False,
+):
+    """Delete the suffix cache (every vocabulary's and scope's, static ones too) and the prompt states: localspec's own
+    files in its cache folder, nothing else. Running processes keep what they hold in memory."""
+    from localspec.errors import UsageError
     from localspec.printable import printable
     from localspec.store import suffixcache as SC
+    from localspec.store.prompt_states import PromptStates
 
+    states = PromptStates()
+    try:
+        k = states.clear()
+    except OSError as exc:
+        raise UsageError(printable(f"cannot clear the prompt states in {states.folder}: {exc.strerror or exc}")) from None
+    cleared_states = f"the prompt states ({k} file{'s' if k != 1 else ''})"
+    if prompt_states:
+        sys.stderr.write(f"cleared {cleared_states}\n")
+        return
     try:
         n = SC.clear()
     except OSError as exc:
-        from localspec.errors import UsageError
-
         raise UsageError(printable(f"cannot clear the suffix cache in {SC.folder()}: {exc.strerror or exc}")) from None
     note = SC.folder_note()
     if note:
         sys.stderr.write(printable(f"note: {note}") + "\n")
-    sys.stderr.write(f"cleared the suffix cache ({n} file{'s' if n != 1 else ''})\n")
+    sys.stderr.write(f"cleared the suffix cache ({n} file{'s' if n != 1 else ''}) and {cleared_states}\n")
 
 
 def _glob_parts(pattern: str) -> list[str]:

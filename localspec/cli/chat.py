@@ -9,7 +9,7 @@ import typer
 
 from localspec.cli.history import _history, chat_id_in_range
 from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, GpuOpt, KOpt, MaxTokOpt, MethodOpt,
-                                    ModelOpt, RpcOpt, SplitOpt, SystemOpt, TemplateOpt, TempOpt, ThreadsOpt, flags,
+                                    ModelOpt, NoPromptCacheOpt, RpcOpt, SplitOpt, SystemOpt, TemplateOpt, TempOpt, ThreadsOpt, flags,
                                     use_template)
 from localspec.errors import UsageError
 
@@ -33,6 +33,7 @@ def chat(
     resume: Annotated[Optional[int], typer.Option("--resume", help="Reopen stored chat ID (`localspec history list`).", show_default=False, callback=chat_id_in_range)] = None,
     no_history: Annotated[bool, typer.Option("--no-history", help="Store nothing (or set history = false in the config).")] = False,
     chat_template: TemplateOpt = None,
+    no_prompt_cache: NoPromptCacheOpt = False,
 ):
     """Chat in the terminal, with live speculation statistics. Chats are stored as they happen (`localspec history`)."""
     from localspec.store.history import History
@@ -42,8 +43,10 @@ def chat(
     sess = Session(flags(model=model, draft=draft, method=method, draft_tokens=draft_tokens, temperature=temperature,
                          system=system, max_tokens=max_tokens, ctx_size=ctx_size, gpu_layers=gpu_layers,
                          draft_gpu_layers=draft_gpu_layers, threads=threads, history=False if no_history else None,
-                         exactness=exactness, rpc=rpc, tensor_split=tensor_split),
+                         exactness=exactness, rpc=rpc, tensor_split=tensor_split,
+                         prompt_cache=False if no_prompt_cache else None),
                    quiet=True)
+    sess.prompt_states = True
     sess.check()
     use_template(sess, chat_template)
     if cont and resume is not None:

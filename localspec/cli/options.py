@@ -110,6 +110,7 @@ ThreadsOpt = _opt("threads", "--threads", help="CPU threads; default: all cores.
 ExactnessOpt = _opt("exactness", "--exactness", help="Exactness level: auto | bit | lossless (see the README, Exactness).")
 RpcOpt = _opt("rpc", "--rpc", help="llama.cpp RPC workers HOST:PORT[,...] for the target's layers (`localspec worker`); the draft stays local.")
 SplitOpt = _opt("tensor_split", "--tensor-split", help="With --rpc: share of the target's layers per worker, e.g. 3,1.")
+NoPromptCacheOpt = Annotated[bool, typer.Option("--no-prompt-cache", help="Neither restore nor keep prompt states on disk (or set prompt_cache = false).")]
 TemplateOpt = Annotated[Optional[Path], typer.Option("--chat-template", help="Jinja chat template file to use instead of the model's.", show_default=False, metavar="FILE")]
 
 

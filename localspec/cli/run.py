@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, GpuOpt, KOpt, MaxTokOpt, MethodOpt,
-                                    ModelOpt, RpcOpt, SplitOpt, SystemOpt, TemplateOpt, TempOpt, ThreadsOpt, _opt, flags, read_stdin,
+                                    ModelOpt, NoPromptCacheOpt, RpcOpt, SplitOpt, SystemOpt, TemplateOpt, TempOpt, ThreadsOpt, _opt, flags, read_stdin,
                                     state,
                                     use_template)
 from localspec.cli.render import Status, result_json, short_summary, summary_line
@@ -64,6 +64,7 @@ def run(
     verbose: Annotated[bool, typer.Option("-v", "--verbose", help="The full breakdown at the end (timings, steps, k, controller).")] = False,
     no_stream: Annotated[bool, typer.Option("--no-stream", help="Print the answer at the end.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object on stdout at the end.")] = False,
+    no_prompt_cache: NoPromptCacheOpt = False,
 ):
     """Answer one prompt (stdin is joined to it), streaming to stdout."""
     from localspec.session import Session, generation_slot
@@ -72,8 +73,9 @@ def run(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, exactness=exactness, p_min=p_min, lookup_min=lookup_min,
         lookup_max=lookup_max, max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
         seed=seed, system=system, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
-        rpc=rpc, tensor_split=tensor_split,
+        rpc=rpc, tensor_split=tensor_split, prompt_cache=False if no_prompt_cache else None,
     ), quiet=quiet)
+    sess.prompt_states = True
     piped = read_stdin()
     parts = [p for p in (piped, prompt) if p is not None and p.strip() != ""]
     if not parts:

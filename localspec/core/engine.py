@@ -26,6 +26,7 @@ from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
 from localspec.models.pair import check_pair
+from localspec.seq import common_prefix
 
 
 class Engine:
@@ -56,6 +57,9 @@ class Engine:
         self._costs: dict[int, float] = {}  # the verify-cost calibration, once read (not a file read per answer)
         self._cost_scale = 1.0  # ... and the scale its live judgements had put on it then (exactness.cost_scale)
         self.last_stats: Stats | None = None
+        # prompt states kept across processes (core/prompt_cache.PromptCache; None: none), set by the front ends
+        # that decode one request at a time (run, chat)
+        self.prompt_cache = None
         self._assembler: TextAssembler | None = None
         self._template_source = chat_template
         self._template = None  # parsed on first use (--raw prompts never need it)
@@ -194,16 +198,45 @@ class Engine:
         prompt = [int(t) for t in prompt_tokens]
         if not prompt or len(prompt) >= self.target.n_ctx:
             return 0
-        self.target.sync(prompt)
-        decoded = len(prompt) - self.target.reused
+        _, cached, _ = self.sync_prompt(prompt)
+        decoded = len(prompt) - cached
         self._after_decode(*getattr(self.target, "last_replay", ((), 0)))
-        self._after_decode(prompt[self.target.reused:], self.target.reused)
+        self._after_decode(prompt[cached:], cached)
         if self.draft is not None and len(prompt) < self.draft.n_ctx:
             if self.draft_kind == "cross-vocab":  # its cache holds its own tokens for the prompt's text
                 self.draft_drafter(GenConfig()).catch_up(prompt)
             else:
+                self.restore_draft_state(prompt)
+                if self.prompt_cache is not None and self.draft_kind == "same-vocab":
+                    self.prompt_cache.save_draft(self.draft, prompt, fill=True)
                 self.draft.sync(prompt)
         return decoded
+
+    def sync_prompt(self, prompt: Sequence[int], copy: bool = True):
+        """The prompt into the target's cache; (the last row's logits, the prompt tokens not decoded now, where they
+        came from: "disk" for a prefix state restored from the prompt cache, "memory" for the cache this process
+        held, "" for none). With a prompt cache (core/prompt_cache.py) the longest stored prefix state is restored
+        first, and the prefill stops at the prompt's save point to keep that prefix's state."""
+        target, pc = self.target, self.prompt_cache
+        restored = pc.restore(target, prompt) if pc is not None else 0
+        have = min(common_prefix(target.tokens, prompt), len(prompt) - 1)
+        split = pc.save_prefix(target, prompt) if pc is not None else 0
+        logits = target.sync(prompt, copy=copy)
+        cached = have if split else target.reused
+        return logits, cached, ("disk" if restored and cached else "memory" if cached else "")
+
+    def restore_draft_state(self, prompt: Sequence[int]) -> None:
+        """A draft model of the target's vocabulary: its longest stored prefix state of the prompt, where its cache
+        shares less with it (the prompt cache)."""
+        if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
+            self.prompt_cache.restore_draft(self.draft, prompt)
+
+    def save_draft_state(self, prompt: Sequence[int]) -> None:
+        """After a request: the draft model's state at the prompt's save point, where the store has none and the
+        draft's cache has caught up with that prefix (its cache is cut back to it: a chat's next turn decodes the rest
+        again, once per new prefix)."""
+        if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
+            self.prompt_cache.save_draft(self.draft, prompt)
 
     def raw_prompt(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)

@@ -20,6 +20,7 @@ def figures(stats: Stats) -> dict:
         "method": stats.main_method,  # what produced the tokens: the most used drafter, none when nothing drafted
         "prompt_tokens": stats.prompt_tokens,
         "cached_prompt_tokens": stats.cached_prompt_tokens,
+        "prompt_cache": stats.prompt_cache,  # memory | disk | "": where the cached prompt tokens came from
         "completion_tokens": stats.completion_tokens,
         "drafted": stats.drafted,
         "accepted": stats.accepted,

@@ -7,7 +7,8 @@ model's cache, the heads on the target's context, the adaptive controller's memo
 
 What differs from a slot of a batch, and why:
 - the prompt is decoded at once by the target's `sync` (prefix reuse, a recurrent state's checkpoint), not in
-  chunks: nothing else waits beside it;
+  chunks: nothing else waits beside it; with a prompt cache (core/prompt_cache.py) a stored prefix state is restored
+  first and the prefill stops once at its save point to keep that prefix's state;
 - exactness is the Engine's answer (verify widths only: no other request ever shares a pass), so there is no batch
   probe and no pass shape to note;
 - a verify is priced by the target's own verify curve (the policy reads it), and a step's cost is its wall time,
@@ -98,12 +99,14 @@ class SoloEngine(BatchEngine):
         engine._assembler = run.text
         stats.running = True
         self.runs[0] = run
-        logits = target.sync(prompt)
-        stats.cached_prompt_tokens = target.reused
+        if "draft" in policy.drafters:
+            engine.restore_draft_state(prompt)  # the prompt cache's state of the draft model, where it has one
+        logits, cached, source = engine.sync_prompt(prompt)
+        stats.cached_prompt_tokens, stats.prompt_cache = cached, source
         for d in engine._hooked:
             d.begin(prompt)
         engine._after_decode(*getattr(target, "last_replay", ((), 0)))
-        engine._after_decode(prompt[target.reused:], target.reused)
+        engine._after_decode(prompt[cached:], cached)
         stats.prompt_s = time.perf_counter() - t0
         run.guarded(run.start, logits)
         return 0
@@ -135,6 +138,8 @@ class SoloEngine(BatchEngine):
     def _release(self, run: _Run) -> None:
         self._settle(run)
         run.close()
+        if "draft" in run.policy.drafters:  # the draft model's prompt state, once it caught up (the prompt cache)
+            self.engine.save_draft_state(run.context[:run.stats.prompt_tokens])
 
     def _settle(self, run: _Run) -> None:
         """The request leaves: its final figures and the rollbacks it caused (also after an interrupt or error)."""

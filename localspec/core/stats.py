@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 class Stats:
     method: str = "none"
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # reused from the previous turn's KV cache
+    cached_prompt_tokens: int = 0  # not decoded: reused from the previous turn's KV cache, or restored
+    prompt_cache: str = ""  # where they came from: "memory" (this process's cache), "disk" (a stored state), "" none
     completion_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

@@ -186,6 +186,9 @@ class Model(Tokens):
         self.rs_rollbacks = 0
         self.last_replay: tuple[list[int], int] = ([], 0)  # what the last truncate() replayed, and from where
         self.reused = 0  # prefix tokens the last sync() kept from the cache
+        # the prefix of the cache a cold prefill would have computed the same way: whole n_batch chunks decoded from
+        # position 0 (or a state of such a prefix restored); only its states are kept (core/prompt_cache.py)
+        self.cold_upto = 0
         self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
         self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
         self._piece_cache: dict[int, bytes] = {}
@@ -284,6 +287,7 @@ class Model(Tokens):
         if n_keep >= len(self.tokens):
             return []
         n_keep = max(int(n_keep), 0)
+        self.cold_upto = min(self.cold_upto, n_keep)
         kind = self.rollback_kind
         if kind == "kv":
             if not _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
@@ -333,12 +337,13 @@ class Model(Tokens):
         n = int(_ll.llama_state_seq_get_data(self._ctx, buf, size, 0))
         return ctypes.string_at(buf, n) if n > 0 else b""
 
-    def restore_state(self, tokens: Sequence[int], data: bytes) -> bool:
+    def restore_state(self, tokens: Sequence[int], data: bytes, cold: bool = False) -> bool:
         """Replace the cache with a state_bytes() state of `tokens`: the cache is cleared, `data` loaded into
         sequence 0 (llama_state_seq_set_data) and `self.tokens` set to `tokens`. False, with an empty cache, where
         llama.cpp refuses the bytes (another KV type or layer count, more cells than the context), they hold
         another number of tokens than `tokens`, or the model is recurrent/hybrid (rollback kind other than "kv":
-        refused without a try). No logits are produced: the caller decodes at least the next token."""
+        refused without a try). No logits are produced: the caller decodes at least the next token. `cold`: the
+        state is of a prefix a cold prefill computes the same way (whole n_batch chunks from 0: `cold_upto`)."""
         tokens = [int(t) for t in tokens]
         if self.rollback_kind != "kv" or not tokens or not data or len(tokens) > self.n_ctx:
             if self.rollback_kind == "kv":
@@ -352,11 +357,13 @@ class Model(Tokens):
             self.clear()
             return False
         self.tokens = tokens
+        self.cold_upto = len(tokens) if cold and len(tokens) % self.n_batch == 0 else 0
         return True
 
     def clear(self) -> None:
         _ll.llama_memory_clear(self._mem, True)
         self.tokens.clear()
+        self.cold_upto = 0
         if hasattr(self, "_ckpt_pos"):
             self._ckpt_pos = None
             self._last_batch = 0
@@ -391,6 +398,8 @@ class Model(Tokens):
             chunk = tokens[start : start + self.n_batch]
             base = len(self.tokens)
             m = len(chunk)
+            # a whole chunk at a multiple of n_batch after a cold prefix: as a cold prefill decodes it
+            cold = base == self.cold_upto and m == self.n_batch and base % self.n_batch == 0
             b.n_tokens = m
             chunk_rows = []
             for i, t in enumerate(chunk):
@@ -409,6 +418,8 @@ class Model(Tokens):
                 # llama.cpp restores the memory state on failure
                 raise DecodeError(f"{self.name}: llama_decode failed (code {rc})")
             self.tokens.extend(int(t) for t in chunk)
+            if cold and self.rollback_kind == "kv":
+                self.cold_upto = base + m
             self._last_batch = m
             self._rolled = False
             if chunk_rows:
@@ -419,6 +430,14 @@ class Model(Tokens):
         if not out:
             return np.empty((0, self.n_vocab), dtype=np.float32)
         return out[0] if len(out) == 1 else np.concatenate(out, axis=0)
+
+    def fill(self, context: Sequence[int]) -> None:
+        """Make the cache hold exactly `context` (reusing the common prefix), without logits: a prefill stopped at a
+        point whose state is saved (core/prompt_cache.py) before the rest is decoded."""
+        common = common_prefix(self.tokens, context)
+        self.truncate(common)
+        if len(context) > common:
+            self.decode(context[common:], [])
 
     def sync(self, context: Sequence[int], copy: bool = True) -> np.ndarray:
         """Make the cache hold exactly `context` (reusing the common prefix); return the last row's logits."""

@@ -14,9 +14,11 @@ of values computed by one model file's weights, on one build's kernels, in one K
 - the KV type (bf16, f16, q8_0: another layout, which llama.cpp also refuses);
 - the threads: one-token decodes over more than 512 f16 cells split the attention across threads, so the KV rows
   of tokens decoded one at a time (an answer that becomes the next prompt) depend on their number. These are the
-  settings the exactness probes are keyed by: a state is reused exactly where a probe's answer is.
+  settings the exactness probes are keyed by: a state is reused exactly where a probe's answer is;
+- the batch size (n_batch): a prompt's KV rows depend on the passes they were decoded in, and a state is kept only
+  for a prefix decoded in whole n_batch chunks from position 0, as a cold prefill decodes it (core/prompt_cache.py).
 Not keyed: the context size (a state fits a context or llama.cpp refuses it, and restore_state reports False), the
-batch size, the drafter and the sampling settings (they change no KV row).
+drafter and the sampling settings (they change no KV row).
 
 The prefix index is by chained hashes of fixed blocks of BLOCK tokens, as llama-server's and vLLM's prefix caches
 are: h_0 = H(key), h_i = H(h_{i-1}, block_i). A state of n = i * BLOCK tokens is the file named by h_i, so the
@@ -56,12 +58,13 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from localspec.defaults import PROMPT_CACHE_BYTES
 from localspec.printable import printable
 from localspec.store.cachefile import cache_dir, file_lock, lstat_at, open_folder, read_regular, write_at
 
 BLOCK = 64  # tokens per hashed block: a state is stored at a multiple of it
 MIN_TOKENS = 2 * BLOCK  # shorter prefixes are decoded, not stored
-DEFAULT_BUDGET = 4 << 30  # bytes on disk
+DEFAULT_BUDGET = PROMPT_CACHE_BYTES  # bytes on disk (the setting prompt_cache_bytes)
 DEFAULT_MEMORY_BUDGET = 1 << 30  # bytes in memory (MemoryStates)
 FORMAT = 1
 MAGIC = b"LSPSTATE"
@@ -124,7 +127,7 @@ def state_key(model) -> str:
     from localspec.knobs import knobs
 
     parts = ["prompt-state", FORMAT, _file_identity(model.path), _build(), model.kv_type, model.n_gpu_layers,
-             model.n_threads, "no-repack" if knobs().no_repack else ""]
+             model.n_threads, "no-repack" if knobs().no_repack else "", f"n_batch={model.n_batch}"]
     if getattr(model, "rpc_servers", None):
         parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]
     return "|".join(str(x) for x in parts)
@@ -253,6 +256,19 @@ class PromptStates:
             if not isinstance(exc, FileNotFoundError):
                 self._note(f"{self.folder}: {exc.strerror or exc}; prompt states not read")
         return None
+
+    def has(self, key: str, tokens: Sequence[int]) -> bool:
+        """Whether a state of exactly `tokens` under `key` is at its name (a regular file; not read, so not verified:
+        a damaged one is removed by the next read, and stored again after that)."""
+        tokens = list(tokens)
+        if not tokens or aligned(len(tokens)) != len(tokens):
+            return False
+        kd = _key_digest(key)
+        try:
+            with self._open() as dfd:
+                return stat.S_ISREG(lstat_at(self.folder, dfd, _name(kd, _chain(kd, tokens)[-1])).st_mode)
+        except OSError:
+            return False
 
     def _read(self, dfd: int | None, name: str, key: str, tokens: list[int]) -> bytes | None:
         try:

@@ -1,0 +1,175 @@
+"""The prompt cache of `run` and `chat` (core/prompt_cache.py): a new process asked about the same long prompt prefix
+restores the prefix's state from disk and decodes only the rest, with the tokens a cold prefill gives under bit
+exactness with every drafter; only prefixes decoded as a cold prefill decodes them are kept; `--no-prompt-cache`
+stores and restores nothing; `cache show` lists the states and `cache clear --prompt-states` removes only them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import cli
+from localspec.store import prompt_states as PS
+
+TEXT = "the cat and the dog and x = y + 1 " * 25
+QUESTIONS = ("Hello world, the x = y + 1", "Once upon a time")
+CTX = "1024"
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
+    for var in ("LOCALSPEC_KV_TYPE", "LOCALSPEC_PROMPT_CACHE", "LOCALSPEC_PROMPT_CACHE_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "cache"
+
+
+def states(cache: Path) -> list[Path]:
+    return sorted((cache / PS.FOLDER).glob("*.state"))
+
+
+def run_json(target_path, draft_path, question: str, *extra: str) -> dict:
+    args = ["run", "-m", str(target_path), "-d", str(draft_path), "--raw", "--json", "-n", "24", "-c", CTX,
+            "--threads", "2", "--exactness", "bit", "--method", "auto", *extra, question]
+    r = cli(args, stdin=TEXT.encode(), timeout=300)
+    assert r.returncode == 0, r.stderr.decode()[-3000:]
+    return json.loads(r.stdout)
+
+
+# ------------------------------------------------------------------ across processes (the CLI)
+def test_a_second_process_restores_the_prefix_and_answers_as_a_cold_prefill(target_path, draft_path, cache):
+    first = run_json(target_path, draft_path, QUESTIONS[0])
+    assert first["prompt_tokens"] > 600 and first["cached_prompt_tokens"] == 0 and first["prompt_cache"] == ""
+    # the target's state of the first 512 tokens (n_batch); the draft model's beside it where it caught up
+    kept = len(states(cache))
+    assert kept in (1, 2)
+    again = run_json(target_path, draft_path, QUESTIONS[1])
+    assert again["prompt_cache"] == "disk" and again["cached_prompt_tokens"] == 512
+    cold = run_json(target_path, draft_path, QUESTIONS[1], "--no-prompt-cache")
+    assert cold["prompt_cache"] == "" and cold["cached_prompt_tokens"] == 0
+    assert again["exactness"] == cold["exactness"] == "bit"
+    assert again["text"] == cold["text"] and again["completion_tokens"] == cold["completion_tokens"]
+    assert len(states(cache)) == kept  # nothing new: the prefix was stored already
+
+    show = cli(["cache", "show", "--json"])
+    assert show.returncode == 0, show.stderr.decode()
+    info = json.loads(show.stdout)["prompt_states"]
+    assert info["count"] == kept and info["models"][target_path.name] == 1
+    assert info["bytes"] == sum(f.stat().st_size for f in states(cache))
+    text = cli(["cache", "show"])
+    assert b"prompt states" in text.stderr and target_path.name.encode() in text.stderr
+
+    suffix_files = sorted((cache / "suffix").glob("*.json")) if (cache / "suffix").exists() else []
+    clear = cli(["cache", "clear", "--prompt-states"])
+    assert clear.returncode == 0 and f"prompt states ({kept} file".encode() in clear.stderr, clear.stderr.decode()
+    assert states(cache) == []
+    assert json.loads(cli(["cache", "show", "--json"]).stdout)["prompt_states"]["count"] == 0
+    if suffix_files:  # the suffix cache is kept
+        assert all(f.exists() for f in suffix_files)
+
+
+def test_no_prompt_cache_stores_nothing(target_path, draft_path, cache):
+    r = run_json(target_path, draft_path, QUESTIONS[0], "--no-prompt-cache")
+    assert r["prompt_cache"] == "" and r["prompt_tokens"] > 600
+    assert states(cache) == []
+    off = cli(["run", "-m", str(target_path), "--raw", "-n", "4", "-c", CTX, "--threads", "2", QUESTIONS[0]],
+              env={"LOCALSPEC_PROMPT_CACHE": "0"}, stdin=TEXT.encode(), timeout=300)
+    assert off.returncode == 0, off.stderr.decode()[-2000:]
+    assert states(cache) == []
+
+
+# ------------------------------------------------------------------ in one process (the engine)
+@pytest.fixture
+def eng(target_path, draft_path, cache):
+    from localspec.core.engine import Engine
+    from localspec.core.prompt_cache import PromptCache
+    from localspec.store.prompt_states import PromptStates
+
+    e = Engine.load(target_path, draft_path, n_ctx=1024, threads=2)
+    e.prompt_cache = PromptCache(PromptStates())
+    yield e
+    e.close()
+
+
+def _fresh(e) -> None:
+    """As a new process finds the models: empty caches."""
+    e.target.clear()
+    e.draft.clear()
+
+
+def _answer(e, prompt, method="auto"):
+    from localspec.core.engine import GenConfig
+
+    fin = e.complete(prompt, GenConfig(method=method, k=4, max_tokens=24, exactness="bit"))
+    return fin.tokens, fin.stats
+
+
+@pytest.mark.parametrize("method", ["auto", "draft", "lookup", "ngram", "suffix", "none"])
+def test_restored_answers_are_cold_answers_under_bit_with_every_drafter(eng, method):
+    base = eng.target.tokenize(TEXT)
+    assert len(base) > 560
+    a, b = (base + eng.target.tokenize(q, add_special=False) for q in QUESTIONS)
+    store, pc = eng.prompt_cache.store, eng.prompt_cache
+    eng.prompt_cache = None
+    _fresh(eng)
+    cold, st = _answer(eng, b, method)
+    assert st.prompt_cache == "" and st.cached_prompt_tokens == 0
+    eng.prompt_cache = pc
+    _fresh(eng)
+    _answer(eng, a, method)
+    assert store.has(PS.state_key(eng.target), a[:512])
+    if method == "draft":  # the draft model caught up with the prompt: its state is kept beside the target's
+        assert store.has(PS.state_key(eng.draft), a[:512])
+    _fresh(eng)
+    restored, st = _answer(eng, b, method)
+    assert st.prompt_cache == "disk" and st.cached_prompt_tokens == 512 and st.exactness == "bit"
+    assert restored == cold
+    # in this process the cache holds b and its answer: the next request reuses it from memory
+    again, st = _answer(eng, b, method)
+    assert st.prompt_cache == "memory" and again == cold
+
+
+def test_only_a_cold_prefix_is_kept(eng, cache):
+    from localspec.core.prompt_cache import save_point
+
+    t = eng.target
+    prompt = t.tokenize(TEXT)[:700]
+    assert save_point(t, len(prompt)) == 512 and save_point(t, 513) == 512 and save_point(t, 512) == 0
+    t.clear()
+    t.decode(prompt[:300], [])  # a prefix decoded in another chunking than a cold prefill's: never saved
+    assert t.cold_upto == 0
+    assert eng.prompt_cache.save_prefix(t, prompt) == 0 and states(cache) == []
+    t.clear()
+    t.decode(prompt[:600], [])  # one whole chunk from 0, then a partial one
+    assert t.cold_upto == 512
+    t.truncate(400)
+    assert t.cold_upto == 400
+    t.clear()
+    logits = eng.prompt_cache.save_prefix(t, prompt)
+    assert logits == 512 and t.cold_upto == 512 and len(t.tokens) == 512
+    cold_logits = np.array(t.sync(prompt))
+    # restored in a second model: the same logits for the prompt's last token as the cold prefill's
+    from localspec.llama.model import Model
+
+    with Model(eng.target.path, n_ctx=1024, n_threads=2) as m:
+        assert eng.prompt_cache.restore(m, prompt) == 512 and m.cold_upto == 512
+        assert np.array_equal(np.array(m.sync(prompt)), cold_logits)
+
+
+def test_recurrent_models_keep_no_prompt_state(hybrid_path, cache):
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.core.prompt_cache import PromptCache
+    from localspec.store.prompt_states import PromptStates
+
+    e = Engine.load(hybrid_path, n_ctx=1024, threads=1)
+    try:
+        e.prompt_cache = PromptCache(PromptStates())
+        prompt = e.target.tokenize(TEXT)[:600]
+        fin = e.complete(prompt, GenConfig(method="none", max_tokens=4))
+        assert fin.stats.prompt_cache == "" and states(cache) == []
+    finally:
+        e.close()
