@@ -173,3 +173,17 @@ def test_recurrent_models_keep_no_prompt_state(hybrid_path, cache):
         assert fin.stats.prompt_cache == "" and states(cache) == []
     finally:
         e.close()
+
+
+def test_a_reopened_chat_restores_its_start_and_decodes_the_rest(eng):
+    """Engine.prefill (chat --continue): the longest kept prefix restored, the rest decoded, as a cold prefill."""
+    base = eng.target.tokenize(TEXT)
+    history = base + eng.target.tokenize(QUESTIONS[0], add_special=False)
+    _fresh(eng)
+    cold = np.array(eng.target.sync(history))  # a cold prefill, no prompt cache involved
+    _fresh(eng)
+    assert eng.prefill(base) == len(base)  # nothing kept yet: all decoded, its first 512 tokens' state kept
+    _fresh(eng)
+    assert eng.prefill(history) == len(history) - 512
+    assert eng.target.tokens == history and eng.draft.tokens == history
+    assert np.array_equal(np.array(eng.target.sync(history)), cold)
