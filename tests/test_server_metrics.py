@@ -69,6 +69,25 @@ def test_a_rejected_request_is_counted(open_api):
                                                                          outcome="failed")
 
 
+def test_a_finished_request_is_counted_before_its_client_hears_of_it(open_api, monkeypatch):
+    """A client that reads /metrics or /health right after its answer sees the answer counted."""
+    from localspec.core.engine import Finished
+    from localspec.server.queue import Job
+
+    worker, seen, post = open_api.app.state.worker, [], Job.post
+
+    def spy(job, item):
+        if isinstance(item, Finished):
+            seen.append((worker.counts["completed"], v(scrape(open_api), "localspec:requests_total",
+                                                       outcome="completed")))
+        post(job, item)
+
+    before = worker.counts["completed"], v(scrape(open_api), "localspec:requests_total", outcome="completed")
+    monkeypatch.setattr(Job, "post", spy)
+    open_api.client(max_retries=0).completions.create(model="x", prompt="hi", max_tokens=2)
+    assert seen == [(before[0] + 1, before[1] + 1)]
+
+
 def counted_as_client_error(api, before, health) -> None:
     """Since `before` (a scrape) and `health` (/health's generations), one request counted as client_error and none
     as failed, in requests_total and in /health."""

@@ -41,6 +41,7 @@ class Job:
     checked: float = field(default_factory=time.monotonic)  # when the client's connection was last checked
     started: float = 0.0  # perf_counter() when it joined a batch
     done: bool = False  # its Finished (or error) was posted (batched jobs)
+    n_prompt: int = 0  # its prompt's tokens (a stream that opens before the first event says it)
 
     def post(self, item) -> None:
         try:
@@ -300,16 +301,16 @@ class Worker:
                 job.done = True
                 self._failed(job, ev)
                 return
+            if isinstance(ev, Finished):  # counted before its client hears of it (and reads /metrics)
+                job.done = True
+                self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
+                if m is not None:
+                    m.request_done(ev)
             job.post(ev)
             if isinstance(ev, Piece) and m is not None:
                 now = time.perf_counter()
                 m.token(None if last[0] is None else now - last[0])
                 last[0] = now
-            elif isinstance(ev, Finished):
-                job.done = True
-                self.counts["cancelled" if ev.finish_reason == "cancelled" else "completed"] += 1
-                if m is not None:
-                    m.request_done(ev)
         return on_event
 
     def _batched_event(self, job: Job, ev, on_event: Callable) -> None:
