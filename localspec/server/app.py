@@ -5,10 +5,11 @@ Generations run on a worker thread (server/queue.py), side by side in batch slot
 extends an earlier conversation reuses the target's cached prefix. Who may call it: server/guard.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
-POST /v1/responses (server/responses.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus;
-server/metrics.py). Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are
-OpenAI-style objects {"error": {"message", "type", "param", "code"}}, never a traceback, and name the request's JSON
-fields. Starting and stopping the server: server/main.py.
+POST /v1/responses (server/responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
+API: server/anthropic.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model
+name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error":
+{"message", "type", "param", "code"}} (Anthropic's shape under /v1/messages), never a traceback, and name the
+request's JSON fields. Starting and stopping the server: server/main.py.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
@@ -30,6 +32,7 @@ from localspec import session as S
 from localspec.core.engine import Finished, GenConfig, Piece
 from localspec.core.generation import check_prompt
 from localspec.errors import ContextOverflowError, LocalspecError, UsageError
+from localspec.server import anthropic as A
 from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tool_grammar as TG
@@ -141,8 +144,8 @@ class Generations:
         mt = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         if mt is not None:
             changes["max_tokens"] = mt
-        for key in ("temperature", "top_p", "seed"):
-            if getattr(req, key) is not None:
+        for key in ("temperature", "top_p", "seed", "top_k"):  # top_k: on /v1/messages only
+            if getattr(req, key, None) is not None:
                 changes[key] = getattr(req, key)
         if req.localspec is not None:
             for key, setting in (("method", "method"), ("k", "draft_tokens"), ("exactness", "exactness")):
@@ -173,10 +176,12 @@ class Generations:
         return cfg
 
     async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
-                  stream=None, logprobs=None, constraint=None, constraint_again=None):
+                  stream=None, logprobs=None, constraint=None, constraint_again=None, early: bool = False):
         """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
         `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions' (one
-        answer: the endpoint that has its own, /v1/responses, takes no n).
+        answer: the endpoints that have their own, /v1/responses and /v1/messages, take no n). `early`: the stream
+        opens as soon as the request is queued, its first event None (the stream waits for it, and answers an error
+        in its own events).
         `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
         `constraint`: the grammar of a forced tool call (server/tools.py)."""
         cfg = self.gen_config(req, constraint)
@@ -185,12 +190,18 @@ class Generations:
         cfgs = [cfg] + [self.choice_config(req, i, constraint_again) for i in range(1, n)]
         lps = [O.Logprobs(self.engine.target, logprobs) if logprobs is not None and cfg.logprobs is not None else None
                for _ in range(n)]
-        jobs = [Job(lambda eng: tokens, c, asyncio.get_running_loop(), asyncio.Queue()) for c in cfgs]
+        jobs = [Job(lambda eng: tokens, c, asyncio.get_running_loop(), asyncio.Queue(), n_prompt=len(tokens))
+                for c in cfgs]
         for job in jobs:
             self.worker.submit(job)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cid = uuid.uuid4().hex[:24]
         now = int(time.time())
+        if early and req.stream and n == 1:
+            # cancelled also when the client leaves before the body's first event (the generator never ran)
+            return StreamingResponse(stream(jobs[0], None, cfg, cid, now), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(jobs[0].cancel.set))
         try:
             firsts = [await next_event(request, job) for job in jobs]
         except ClientGone:
@@ -390,6 +401,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
                            allow_origin_regex=LOCAL_ORIGIN if local else None, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600)
     app.add_middleware(Gate, host_ok=HostCheck(cfg.host, cfg.allowed_hosts or ()), cors_origins=cfg.cors_origins)
+    app.add_middleware(A.AnthropicErrors)  # outermost: refusals of every layer in Anthropic's shape there
     app.state.worker = worker
     app.state.model = name
     app.state.metrics = gens.metrics
@@ -411,7 +423,10 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
 
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):  # logged by the server; the client gets one line
-        return APIError(500, f"internal error: {type(exc).__name__}").response()
+        err = APIError(500, f"internal error: {type(exc).__name__}")
+        if request.url.path.startswith(A.PATH):  # answered outside the middleware that reshapes the others
+            return JSONResponse(A.error_of(err), status_code=500)
+        return err.response()
 
     # ------------------------------------------------------------ endpoints
     def tool_constraint(tools, tool_choice, parallel: bool, output: dict | None, taught: bool):
@@ -471,6 +486,43 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools), None,
                               R.whole(name, req, found), stream=lambda *a: R.stream(name, req, found, *a),
                               constraint=con)
+
+    def anthropic_request(req: A.MessagesRequest, grammar: bool = True):
+        """(prompt builder, the tools' names or None, the tool grammar) of a Messages request, as chat's."""
+        msgs = A.messages_of(req)
+        tools, choice, parallel = A.chat_tools(req)
+        tools, names = T.check_tools(tools, choice)
+        names = T.reading(names, msgs, parallel, choice)
+        msgs, taught = T.for_template(msgs, tools, template_of(engine))
+        con = None
+        if grammar:  # tools and a JSON output format together: a call or that JSON, as on /v1/responses
+            output, json_grammar = A.output_format(req)
+            con = tool_constraint(tools, choice, parallel, output, taught) if tools is not None else None
+            if con is None and json_grammar is not None:
+                con = Grammar(json_grammar, engine.target)
+        return (lambda eng: chat_tokens(eng, msgs, tools)), (names if tools is not None else None), con
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = await parse_body(request, A.MessagesRequest)
+        build, found, con = anthropic_request(req)
+        return await gens.run(request, req, build, None, A.whole(name, req, found, engine.target),
+                              stream=lambda *a: A.stream(name, req, found, engine.target, *a), constraint=con,
+                              early=True)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        req = await parse_body(request, A.MessagesRequest)
+        if req.max_tokens is None:
+            req.max_tokens = 1  # count_tokens takes none
+        build, _, _ = anthropic_request(req, grammar=False)
+        try:
+            tokens = await asyncio.to_thread(build, engine)
+        except UsageError as exc:
+            raise setting_error(exc) from None
+        except LocalspecError as exc:
+            raise setting_error(exc, 500) from None
+        return {"input_tokens": len(tokens)}
 
     def model_object() -> dict:
         return {"id": name, "object": "model", "created": created, "owned_by": "localspec",

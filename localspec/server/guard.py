@@ -4,9 +4,10 @@
 127.0.0.1 sends its own name as Host) and an Origin header, which browsers send with every cross-origin request,
 must be one of the allowed CORS origins (none by default): a web page the user visits cannot drive the local API.
 Then Starlette's CORSMiddleware (only when origins are allowed) answers their preflights, without the API key, and
-adds the CORS headers. `Guard` (innermost): the API key (every request but GET /health), `Content-Type:
-application/json` on POST bodies (a browser can send text/plain and form bodies cross-origin without asking first),
-and the body size limit; the body is read here (at most max_body bytes) and handed on."""
+adds the CORS headers. `Guard` (innermost): the API key (every request but GET /health; `Authorization: Bearer KEY`
+or Anthropic's `x-api-key: KEY`), `Content-Type: application/json` on POST bodies (a browser can send text/plain
+and form bodies cross-origin without asking first), and the body size limit; the body is read here (at most
+max_body bytes) and handed on."""
 
 from __future__ import annotations
 
@@ -169,9 +170,11 @@ class Guard:
         headers = dict(scope.get("headers") or [])
         if self.key is not None and not (scope["method"] == "GET" and scope["path"] == "/health"):
             auth = headers.get(b"authorization", b"")
-            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
-            if not hmac.compare_digest(given, self.key):
-                msg = "missing API key: send Authorization: Bearer KEY" if not given else "incorrect API key"
+            bearer = auth[7:].strip() if auth[:7].lower() == b"bearer " else b""
+            given = [k for k in (bearer, headers.get(b"x-api-key", b"").strip()) if k]  # x-api-key: Anthropic's
+            if not any([hmac.compare_digest(k, self.key) for k in given]):  # both compared, whichever matches
+                msg = ("missing API key: send Authorization: Bearer KEY (or x-api-key: KEY)" if not given
+                       else "incorrect API key")
                 return await reply(send, 401, error_body(msg, code="invalid_api_key"), {"WWW-Authenticate": "Bearer"})
         if scope["method"] in ("POST", "PUT", "PATCH") and not is_json(headers.get(b"content-type")):
             ct = headers.get(b"content-type")

@@ -18,6 +18,7 @@ REQUEST_FIELDS = {
     "max_tokens": "max_tokens",
     "temperature": "temperature",
     "top_p": "top_p",
+    "top_k": "top_k",
     "seed": "seed",
     "logit_bias": "logit_bias",
 }
