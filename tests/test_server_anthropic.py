@@ -170,6 +170,22 @@ def test_a_tool_result_turn_reaches_the_template(open_api, monkeypatch):
     assert prompt.index("</tool_response>") < prompt.index("Be brief.")
 
 
+def test_system_messages_among_the_turns(open_api, monkeypatch):
+    """A system message before the first turn joins the system prompt; a later one is user text at its place
+    (Claude Code sends one after its first user turn), and consecutive user turns are one turn."""
+    sc = Scripted(monkeypatch, open_api.session.engine, ["Hi."] * 2)
+    c = client(open_api)
+    c.messages.create(model="x", max_tokens=10, system="Be brief.", messages=[
+        {"role": "system", "content": "Be kind."}, {"role": "user", "content": "say hi"},
+        {"role": "system", "content": [{"type": "text", "text": "Agents: none."}]}])
+    c.messages.create(model="x", max_tokens=10, messages=[{"role": "user", "content": "say hi"},
+                                                          {"role": "user", "content": "now"}])
+    first, second = sc.prompts
+    assert "<|im_start|>system\nBe brief.\n\nBe kind.<|im_end|>" in first, first
+    assert "<|im_start|>user\nsay hi\n\nAgents: none.<|im_end|>" in first, first
+    assert "<|im_start|>user\nsay hi\n\nnow<|im_end|>" in second, second
+
+
 def test_a_failed_tool_says_so_and_a_result_may_be_a_string(open_api, monkeypatch):
     sc = Scripted(monkeypatch, open_api.session.engine, ["Sorry."])
     client(open_api).messages.create(model="x", max_tokens=10, tools=[TOOL], messages=[
@@ -264,7 +280,7 @@ def anthropic_error(status, body, want_status, want_type):
 @pytest.mark.parametrize("body,words", [
     ({"messages": USER}, "max_tokens"),
     ({"max_tokens": 0, "messages": USER}, "max_tokens"),
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "hi"}]}, "role"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}, "role"),
     ({"max_tokens": 5, "messages": []}, "messages"),
     ({"max_tokens": 5, "messages": USER, "temperature": 1.5}, "temperature"),
     ({"max_tokens": 5, "messages": USER, "top_k": -1}, "top_k"),

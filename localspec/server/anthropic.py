@@ -97,6 +97,15 @@ def check(req: MessagesRequest) -> None:
     req.max_completion_tokens = None
 
 
+def user_turn(out: list[dict], text: str) -> None:
+    """A user turn's text after `out`: joined to a user turn just before it (consecutive turns of a role are one
+    turn, as upstream)."""
+    if out and out[-1]["role"] == "user":
+        out[-1]["content"] += "\n\n" + text
+    else:
+        out.append({"role": "user", "content": text})
+
+
 def messages_of(req: MessagesRequest) -> list[dict]:
     """The chat messages of a Messages request (see the module doc). 400 naming the field for what this server
     cannot read."""
@@ -111,9 +120,19 @@ def messages_of(req: MessagesRequest) -> list[dict]:
     for i, m in enumerate(req.messages):
         where = f"messages[{i}]"
         role = m.get("role") if isinstance(m, dict) else None
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise APIError(400, f"{where}.role must be \"user\" or \"assistant\", got {role!r}",
                            param=f"{where}.role")
+        if role == "system":  # instructions among the turns (Claude Code sends them)
+            said = _texts(m.get("content"), f"{where}.content", f"{where}.content")
+            if all(x["role"] == "system" for x in out):  # before any turn: the system prompt's
+                if out:
+                    out[0]["content"] += "\n\n" + said
+                else:
+                    out.append({"role": "system", "content": said})
+            else:  # later: user text at its place (templates take a system message first only)
+                user_turn(out, said)
+            continue
         content = m.get("content")
         if isinstance(content, str):
             blocks = [{"type": "text", "text": content}]
@@ -127,7 +146,7 @@ def messages_of(req: MessagesRequest) -> list[dict]:
 
         def flush_user():
             if text:
-                out.append({"role": "user", "content": "\n".join(text)})
+                user_turn(out, "\n".join(text))
                 text.clear()
 
         for j, b in enumerate(blocks):
