@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conftest import REAL_MODELS
-from helpers import KEY, WRITTEN, Scripted, loaded_session, post, serving
+from helpers import KEY, WRITTEN, Scripted, accepts, loaded_session, post, serving
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -213,6 +213,25 @@ def test_a_streamed_call_is_a_tool_use_block_with_its_input_in_pieces(open_api, 
     with client(open_api).messages.stream(**body) as s:  # the SDK puts the pieces together
         final = s.get_final_message()
     assert [b.type for b in final.content] == ["text", "tool_use"] and final.content[1].input == {"city": "Paris"}
+
+
+def test_keywords_the_grammar_cannot_enforce_are_left_out(open_api, monkeypatch):
+    """Claude Code's tools use `propertyNames`, which llguidance does not implement: the input is held to the rest
+    of the schema (a property of that name stays), where chat answers a 400."""
+    tool = {"name": "tag", "input_schema": {"type": "object", "required": ["propertyNames"], "properties": {
+        "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"},
+                          "additionalProperties": {"type": "integer"}}}}}
+    call = '<tool_call>\n{"name": "tag", "arguments": {"propertyNames": {"a": 1}}}\n</tool_call>'
+    sc = Scripted(monkeypatch, open_api.session.engine, [call])
+    m = client(open_api).messages.create(model="x", max_tokens=200, tools=[tool], messages=USER,
+                                         tool_choice={"type": "tool", "name": "tag"})
+    assert m.stop_reason == "tool_use" and m.content[0].input == {"propertyNames": {"a": 1}}, m
+    (con,) = sc.constraints
+    body = '{"name": "tag", "arguments": {"propertyNames": {"a": 1}}}'  # the grammar's format for this template
+    assert accepts(con.grammar, body) and not accepts(con.grammar, body.replace("1}", '"x"}'))
+    status, _, err = post(open_api, "/v1/chat/completions", {"max_tokens": 5, "messages": USER, "tools": [
+        {"type": "function", "function": {"name": "tag", "parameters": tool["input_schema"]}}]})
+    assert status == 400 and "propertyNames" in err["error"]["message"], err
 
 
 @pytest.mark.parametrize("choice,forced", [({"type": "any"}, True), ({"type": "auto"}, False)])

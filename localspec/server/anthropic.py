@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from typing import Any, Optional
 
@@ -194,6 +195,45 @@ def messages_of(req: MessagesRequest) -> list[dict]:
     return out
 
 
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
+MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+
+
+def _without(schema, keys: set):
+    """`schema` without the keywords `keys`, wherever a schema sits (a property named so stays)."""
+    if isinstance(schema, list):
+        return [_without(x, keys) for x in schema]
+    if not isinstance(schema, dict):
+        return schema
+    return {k: ({n: _without(v, keys) for n, v in schema[k].items()} if k in MAPS and isinstance(schema[k], dict)
+                else _without(schema[k], keys)) for k in schema if k not in keys}
+
+
+def enforceable(schema: dict, i: int) -> dict:
+    """A tool's input_schema without the keywords the grammar cannot enforce (llguidance's unimplemented ones,
+    such as `propertyNames`, which Claude Code's tools use): each only narrows what a value may be, so the input is
+    held to the rest of the schema. Any other problem is a 400 naming tools[i]."""
+    from localspec.server.grammar import usable_schema
+    from localspec.server.json_schema import closed
+
+    for _ in range(8):
+        try:
+            usable_schema(closed(schema), f"tools[{i}].input_schema", f"tools[{i}]")
+            return schema
+        except APIError as exc:
+            m = _UNIMPLEMENTED.search(exc.message)
+            if m is None:
+                raise
+            try:
+                keys = {k for k in json.loads(m.group(1)) if isinstance(k, str)}
+            except ValueError:
+                raise exc from None
+            if not keys:
+                raise
+            schema = _without(schema, keys)
+    return schema
+
+
 def chat_tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool]:
     """(the tools in chat's form, chat's tool_choice, parallel_tool_calls). Custom tools with `input_schema`;
     Anthropic's server tools (web search, code execution ...) are a 400 naming tools[i]."""
@@ -212,7 +252,7 @@ def chat_tools(req: MessagesRequest) -> tuple[list[dict] | None, Any, bool]:
             schema = t.get("input_schema", {"type": "object", "properties": {}})
             if not isinstance(schema, dict):
                 raise APIError(400, f"tools[{i}].input_schema must be a JSON Schema object", param=f"tools[{i}]")
-            f = {"name": t["name"], "parameters": schema}
+            f = {"name": t["name"], "parameters": enforceable(schema, i)}
             if isinstance(t.get("description"), str):
                 f["description"] = t["description"]
             out.append({"type": "function", "function": f})
