@@ -67,3 +67,8 @@ class AlgorithmBugError(LocalspecError):
     """`localspec bench` found outputs that differ from plain decoding by more than float order can explain."""
 
     exit_code = 3
+
+
+class DecodeCancelled(Exception):
+    """A decode stopped between chunks because its request was cancelled (llama/model.py's Model.cancel_event): not
+    an error, the request ends "cancelled"."""

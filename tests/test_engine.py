@@ -461,3 +461,23 @@ def test_a_generation_left_mid_way_has_final_stats_and_the_next_one_starts(engin
     assert not st.running and st.elapsed_s > 0
     r = engine.complete(engine.raw_prompt(p), GenConfig(method="none", max_tokens=N_EXACT))
     assert r.tokens == plain[p]
+
+
+def test_a_cancelled_request_stops_its_prompt_between_chunks(engine):
+    """A caller that gives up while a long prompt is decoded (a client gone mid-prefill) stops it at the next n_batch
+    chunk: the request ends cancelled with no token, and the chunks decoded stay in the cache for a retry."""
+    import threading
+
+    from localspec.core.engine import GenConfig
+
+    target = engine.target
+    prompt = (engine.raw_prompt("the cat and the dog and a x = y + 1 ") * 80)[:target.n_batch * 2 - 100]
+    assert len(prompt) > target.n_batch
+    target.truncate(0)
+    gone = threading.Event()
+    gone.set()
+    fin = engine.respond(prompt, GenConfig(method="none", max_tokens=8), cancel=gone).result()
+    assert fin.finish_reason == "cancelled" and fin.tokens == []
+    assert len(target.tokens) == target.n_batch  # the first chunk, kept
+    again = engine.complete(prompt, GenConfig(method="none", max_tokens=8))
+    assert again.stats.cached_prompt_tokens == target.n_batch and len(again.tokens) == 8

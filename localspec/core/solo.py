@@ -27,6 +27,8 @@ from localspec.core.batch import BatchEngine, _Run
 from localspec.core.config import GenConfig
 from localspec.core.exactness import ProbeCancelled
 from localspec.core.generation import Finished, Piece, check_bias, check_prompt, new_stats
+from localspec.errors import DecodeCancelled
+from localspec.seq import common_prefix
 
 
 class _OneSeq:
@@ -101,7 +103,16 @@ class SoloEngine(BatchEngine):
         self.runs[0] = run
         if "draft" in policy.drafters:
             engine.restore_draft_state(prompt)  # the prompt cache's state of the draft model, where it has one
-        logits, cached, source = engine.sync_prompt(prompt)
+        target.cancel_event = cancel  # a long prompt stops between chunks when the caller gives up
+        try:
+            logits, cached, source = engine.sync_prompt(prompt)
+        except DecodeCancelled:
+            stats.cached_prompt_tokens = common_prefix(target.tokens, prompt)
+            stats.prompt_s = time.perf_counter() - t0
+            run.end("cancelled")  # the step releases it: Finished, no tokens
+            return 0
+        finally:
+            target.cancel_event = None
         stats.cached_prompt_tokens, stats.prompt_cache = cached, source
         for d in engine._hooked:
             d.begin(prompt)

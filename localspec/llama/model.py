@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from localspec.errors import DecodeError, ModelLoadError, UsageError
+from localspec.errors import DecodeCancelled, DecodeError, ModelLoadError, UsageError
 from localspec.knobs import knobs
 from localspec.llama import aborts, ggml, lib
 from localspec.llama.lib import ll as _ll
@@ -190,6 +190,9 @@ class Model(Tokens):
         # position 0 (or a state of such a prefix restored); only its states are kept (core/prompt_cache.py)
         self.cold_upto = 0
         self.decode_s = 0.0  # time spent inside llama_decode (for overhead accounting in benchmarks)
+        # set (a threading.Event) while a request's prompt is decoded: a long prompt stops between n_batch chunks once
+        # it is set (DecodeCancelled), the chunks before kept in the cache (a client that left and retries reuses them)
+        self.cancel_event = None
         self.tokens: list[int] = []  # tokens whose KV is in the cache, position i = tokens[i]
         self._piece_cache: dict[int, bytes] = {}
         self._special_piece_cache: dict[int, bytes] = {}
@@ -395,6 +398,9 @@ class Model(Tokens):
         b = self._batch
         start = 0
         while start < n:
+            ev = self.cancel_event
+            if start and ev is not None and ev.is_set():
+                raise DecodeCancelled(f"{self.name}: stopped after {start} of {n} tokens")
             chunk = tokens[start : start + self.n_batch]
             base = len(self.tokens)
             m = len(chunk)
