@@ -200,6 +200,9 @@ class Session:
         # whether the engine keeps prompt states on disk (core/prompt_cache.py) where the setting prompt_cache is on:
         # the front ends that decode one request at a time (run, chat); bench measures cold prompts
         self.prompt_states = False
+        # serve: the bytes of prompt states kept in memory for the process's lifetime in front of the disk store
+        # (core/prompt_cache.ServerStates; None: the disk store alone, as run and chat keep them)
+        self.prompt_cache_ram: int | None = None
 
     # ------------------------------------------------------------ settings
     @property
@@ -347,7 +350,12 @@ class Session:
             from localspec.core.prompt_cache import PromptCache
             from localspec.store.prompt_states import PromptStates
 
-            engine.prompt_cache = PromptCache(PromptStates(budget=v["prompt_cache_bytes"]))
+            store = PromptStates(budget=v["prompt_cache_bytes"])
+            if self.prompt_cache_ram is not None:
+                from localspec.core.prompt_cache import ServerStates
+
+                store = ServerStates(self.prompt_cache_ram, store)
+            engine.prompt_cache = PromptCache(store)
         self.close()
         self.engine, self.pair, self.target_path, self.draft_path = engine, pair, target, draft
         return engine

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, GpuOpt, KOpt, MethodOpt,
-                                    ModelOpt, RpcOpt, SplitOpt, TemplateOpt, ThreadsOpt, _opt, flags,
+                                    ModelOpt, NoPromptCacheOpt, RpcOpt, SplitOpt, TemplateOpt, ThreadsOpt, _opt, flags,
                                     use_template)
 
 EPILOG = (
@@ -45,6 +45,8 @@ def serve(
     strict_model: Annotated[bool, typer.Option("--strict-model", help="Refuse requests naming another model (404) instead of serving the loaded one.")] = False,
     no_metrics: Annotated[bool, typer.Option("--no-metrics", help="Do not serve GET /metrics (Prometheus).")] = False,
     kv_layout: Annotated[str, typer.Option("--kv-layout", help="With --parallel N > 1, where the slots keep their KV cache: split (one stream each: a request keeps bit exactness while the passes it shares are bit-identical), unified (one cache: every step is one forward pass, drafted rows included; batched requests run at lossless), auto (unified where a full batch is not bit-identical here anyway and the method drafts, else split).")] = "auto",
+    no_prompt_cache: NoPromptCacheOpt = False,
+    prompt_cache_ram: Annotated[Optional[int], typer.Option("--prompt-cache-ram", help="Bytes of prompt states the server keeps in memory, in front of the disk store (default: 2 GiB, or an eighth of the machine's memory where less; 0: disk only).", show_default=False)] = None,
     parallel: Annotated[Optional[int], typer.Option("--parallel", help="Requests decoded together in one batch (1-64), each with its own speculation (default: 1 on CPU, 4 with the model on a GPU); more wait in the queue. Not LOCALSPEC_PARALLEL, which limits generations machine-wide.", show_default=False)] = None,
 ):
     """Serve the pair over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /metrics)."""
@@ -52,12 +54,12 @@ def serve(
     from localspec.server.config import ServerConfig
     from localspec.session import Session
 
-    config = ServerConfig(parallel=parallel, kv_layout=kv_layout,  # bad values before anything loads
+    config = ServerConfig(parallel=parallel, kv_layout=kv_layout, prompt_cache_ram=prompt_cache_ram,  # bad values first
                           cors_origins=cors_origins or ()).check()
     sess = Session(flags(
         model=model, draft=draft, method=method, draft_tokens=draft_tokens, p_min=p_min, max_tokens=max_tokens,
         temperature=temperature, ctx_size=ctx_size, gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers, threads=threads,
-        exactness=exactness, rpc=rpc, tensor_split=tensor_split,
+        exactness=exactness, rpc=rpc, tensor_split=tensor_split, prompt_cache=False if no_prompt_cache else None,
     ))
     use_template(sess, chat_template)
     run_server(sess, host=host, port=port, api_key=api_key, queue_size=queue, allowed_hosts=allowed_hosts,

@@ -20,7 +20,12 @@ Rules, and why (docs/design.md, "Batching", has the measurements behind them):
   matched, and from the first that did not it runs at lossless, its stats saying from which token and why;
 - one pass per step where that pays: slots padded to the step's most rows (`_pad`), new requests placed to keep
   active slots consecutive (llama.cpp passes take consecutive sequences), a slot whose cache shares REUSE_MIN
-  prompt tokens taken first.
+  prompt tokens taken first;
+- prompt states (core/prompt_cache.py, the server's store): a request restores the longest kept state of its
+  prompt's start that no slot holds, from memory or disk, and a slot's state is kept at the prompt's last multiple
+  of the chunk (`_save`) where the slot decoded it as a cold prefill here does (whole chunks from 0, each alone in
+  its llama_decode: MultiSeq.cold). So a restored prefix holds the bytes the same prompt decoded alone gives, the
+  rest is decoded as it then would be, and the request's exactness is that of the same request without the cache.
 """
 from __future__ import annotations
 
@@ -61,6 +66,7 @@ class _Run(Generation):
         self.seq = seq
         self.prefill = prefill
         self.roll0: tuple[dict, dict | None] = ({}, None)  # the slot's rollback counters when it joined
+        self.keep: list[int] = []  # the prompt's prefix whose state is kept once the slot holds it (_save)
 
 
 class BatchEngine(PassShapes):
@@ -109,6 +115,74 @@ class BatchEngine(PassShapes):
         self._prefill_rate: float | None = None  # prompt rows decoded per second, measured (_prefill_limit)
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
+        # the store of prompt states (core/prompt_cache.py: the server's ServerStates), or None: the engine's
+        self.states = getattr(getattr(engine, "prompt_cache", None), "store", None)
+        self._states_key = ""
+        self._track_cold()
+
+    # ------------------------------------------------------------ prompt states
+    @property
+    def state_chunk(self) -> int:
+        """The chunk a joining prompt is decoded in when nothing else runs (what a kept state's prefix is made of)."""
+        return min(self.prefill_chunk, self.ms.n_batch)
+
+    def _track_cold(self) -> None:
+        self._states_key = ""
+        self.ms.cold_chunk = self.state_chunk if self._keeps_states() else 0
+
+    def _keeps_states(self) -> bool:
+        from localspec.core.prompt_cache import usable
+
+        return self.states is not None and usable(self.target) and not self.ms.recurrent
+
+    def _key(self) -> str:
+        if not self._states_key:
+            from localspec.core.prompt_cache import batch_key
+
+            self._states_key = batch_key(self.target, self.state_chunk, self.ms.unified)
+        return self._states_key
+
+    def _restore(self, seq: int, prompt: list[int], common: int) -> tuple[int, str]:
+        """Slot `seq` holding `common` tokens of `prompt` (its own or another slot's): the longest kept state of a
+        longer prefix (never the whole prompt: its last token is decoded for logits) restored into it. Returns
+        (the prompt tokens the slot holds, where the state came from: "memory" or "disk"; "" when none was
+        restored)."""
+        if not self._keeps_states() or len(prompt) < 2:
+            return common, ""
+        from localspec.core.prompt_cache import find
+
+        if self.ms.cold_chunk != self.state_chunk:
+            self._track_cold()
+        try:
+            hit = find(self.states, self._key(), prompt[:-1], longer_than=common)
+        except OSError:
+            return common, ""
+        if hit is None:
+            return common, ""
+        n, data, source = hit
+        if n % self.state_chunk == 0 and self.ms.restore_state(seq, prompt[:n], data, cold=True):
+            return n, source
+        return self.ms.take_prefix(seq, prompt), ""  # refused: the slot is empty now; what another slot has
+
+    def _save(self, run: "_Run") -> None:
+        """Keep slot run.seq's state where its prompt's save point was just reached as a cold prefill here (the
+        store has none of it yet)."""
+        from localspec.core.prompt_cache import has
+
+        keep, seq = run.keep, run.seq
+        a = len(keep)
+        if not a or len(self.ms.tokens[seq]) != a or self.ms.cold[seq] < a:
+            return
+        run.keep = []
+        key = self._key()
+        try:
+            if has(self.states, key, keep):
+                return
+            data = self.ms.state_of(seq)
+            if data:
+                self.states.put(key, keep, data, label=self.target.name)
+        except OSError:
+            pass
 
     # ------------------------------------------------------------ what runs here
     @property
@@ -202,6 +276,7 @@ class BatchEngine(PassShapes):
 
         self.ms.close()
         self.ms = MultiSeq(self.target, n, unified=True)
+        self._track_cold()
         self.heads.close()
         self.heads = BatchHeads(self.engine, self.ms)
         if self.drafts is not None:
@@ -258,6 +333,7 @@ class BatchEngine(PassShapes):
         seq = self._choose_slot(prompt, free)
         roll0 = self._rollback_counters(seq)  # the prefix's restore is this request's, as in a batch of one
         common = self.ms.take_prefix(seq, prompt)  # its own cache's, or another slot's
+        common, source = self._restore(seq, prompt, common)  # or a kept state of a longer prefix
         if common == len(prompt):  # the last prompt token is decoded again for its logits
             common = self.ms.reachable(seq, common - 1)  # a recurrent state: where it rolls back without a replay
         self.ms.truncate(seq, common)
@@ -297,6 +373,7 @@ class BatchEngine(PassShapes):
             stats.reason = "; ".join(x for x in (stats.reason, why) if x)
         stats.prompt_tokens = len(prompt)
         stats.cached_prompt_tokens = common
+        stats.prompt_cache = source or ("memory" if common else "")  # a slot's cache: this process's memory
         stats.started = time.perf_counter()
         stats.running = True
         for drafter in policy.drafters.values():
@@ -304,6 +381,12 @@ class BatchEngine(PassShapes):
         self.runs[seq] = _Run(seq, prompt[common:], self.target, prompt, cfg, policy, stats, bias=bias,
                               sink=sink or (lambda ev: None), cancel=cancel)
         self.runs[seq].roll0 = roll0
+        if self._keeps_states():
+            from localspec.core.prompt_cache import chunk_save_point
+
+            a = chunk_save_point(self.state_chunk, len(prompt))
+            cold = self.ms.cold[seq] == common and common % self.state_chunk == 0  # the rest decoded as cold
+            self.runs[seq].keep = prompt[:a] if a > common and cold else []
         return seq
 
     def _rollback_counters(self, seq: int) -> tuple[dict, dict | None]:
@@ -434,6 +517,8 @@ class BatchEngine(PassShapes):
 
     def _prefilled(self, run: _Run, chunk, rows, share: float) -> None:
         del run.prefill[:len(chunk)]
+        if run.keep:
+            self._save(run)
         if run.prefill:
             return
         run.stats.prompt_s = time.perf_counter() - run.t0

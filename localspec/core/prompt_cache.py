@@ -15,6 +15,14 @@ Not kept: a cache that holds an answer (decoded a token or a verify at a time, n
 states of recurrent and hybrid models (rollback kind other than "kv": their state is that of the whole text).
 A draft model of the target's vocabulary keeps its state beside the target's under its own key: its cache changes
 which drafts it proposes, never which tokens are emitted, and it is restored and saved as the target's is.
+
+`localspec serve` keeps its states in a `ServerStates`: an LRU in memory for the server's lifetime (MemoryStates,
+--prompt-cache-ram) over the disk store, so a hit in memory costs no read and a restarted server restores from
+disk. Its batch (core/batch.py, --parallel N) keeps the states of its slots beside the single-sequence ones under
+their own key (`batch_key`): the batch decodes a prompt in chunks of its own size (prefill_chunk, 256) in another
+context (llama/multiseq.py), so its states are not a single-sequence prefill's bytes and never restored there, nor
+these here. A slot's state is kept only for a prefix the slot decoded as a cold prefill in the batch decodes it
+(whole chunks from position 0, each alone in its llama_decode: MultiSeq.cold), at `chunk_save_point`.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import time
 from typing import Sequence
 
 from localspec.seq import common_prefix
-from localspec.store.prompt_states import aligned, state_key
+from localspec.store.prompt_states import MemoryStates, PromptStates, aligned, state_key
 
 
 def usable(model) -> bool:
@@ -38,6 +46,87 @@ def save_point(model, n_prompt: int) -> int:
     nb = int(model.n_batch)
     a = (int(n_prompt) - 1) // nb * nb if nb > 0 else 0
     return a if a > 0 and aligned(a) == a else 0
+
+
+def chunk_save_point(chunk: int, n_prompt: int) -> int:
+    """save_point for a prompt decoded in chunks of `chunk` tokens (the batch's): the last multiple of it before the
+    prompt's last token, where the store keeps one; 0 where there is none."""
+    c = int(chunk)
+    a = (int(n_prompt) - 1) // c * c if c > 0 else 0
+    return a if a > 0 and aligned(a) == a else 0
+
+
+def batch_key(model, chunk: int, unified: bool) -> str:
+    """The key of a batch's slot states (core/batch.py): the target's state_key and what else changes a slot's
+    bytes or their layout: the batch's chunk, its KV layout (one cache for all slots or a stream each)."""
+    return f"{state_key(model)}|batch|chunk={int(chunk)}|unified={bool(unified)}"
+
+
+class ServerStates:
+    """A server's store of prompt states: `memory` (a MemoryStates of `memory_budget` bytes, none at 0) over
+    `disk` (a PromptStates, or None). The interface of PromptStates (longest, has, put), and `find`, which says
+    where a state came from."""
+
+    def __init__(self, memory_budget: int, disk: PromptStates | None = None) -> None:
+        self.memory = MemoryStates(memory_budget) if memory_budget > 0 else None
+        self.disk = disk
+        self.last_source = ""  # where the last longest()/find() hit came from: "memory" | "disk" | ""
+
+    def find(self, key: str, tokens: Sequence[int], longer_than: int = 0) -> tuple[int, bytes, str] | None:
+        """(n, state, "memory" or "disk") of the longest stored prefix tokens[:n], n > longer_than; a state read
+        from disk is kept in memory too."""
+        tokens = list(tokens)
+        hit = self.memory.longest(key, tokens, longer_than) if self.memory is not None else None
+        if self.disk is not None:
+            deeper = self.disk.longest(key, tokens, max(longer_than, hit[0] if hit else 0))
+            if deeper is not None:
+                if self.memory is not None:
+                    self.memory.put(key, tokens[:deeper[0]], deeper[1])
+                return deeper[0], deeper[1], "disk"
+        return (hit[0], hit[1], "memory") if hit else None
+
+    def longest(self, key: str, tokens: Sequence[int], longer_than: int = 0) -> tuple[int, bytes] | None:
+        found = self.find(key, tokens, longer_than)
+        self.last_source = found[2] if found else ""
+        return found[:2] if found else None
+
+    def has(self, key: str, tokens: Sequence[int]) -> bool:
+        """Whether the state of exactly `tokens` is kept: in memory (marked recently used) or on disk."""
+        tokens = list(tokens)
+        if self.memory is not None and tokens and self.memory.longest(key, tokens, len(tokens) - 1) is not None:
+            return True
+        return self.disk is not None and self.disk.has(key, tokens)
+
+    def put(self, key: str, tokens: Sequence[int], data: bytes, label: str = "") -> bool:
+        kept = self.memory.put(key, tokens, data, label) if self.memory is not None else False
+        return (self.disk.put(key, tokens, data, label) if self.disk is not None else False) or kept
+
+    def summary(self) -> dict:
+        out = self.disk.summary() if self.disk is not None else {}
+        if self.memory is not None:
+            out["memory"] = self.memory.summary()["memory"]
+        return out
+
+    def clear(self) -> int:
+        return sum(x.clear() for x in (self.memory, self.disk) if x is not None)
+
+
+def find(store, key: str, tokens: Sequence[int], longer_than: int = 0) -> tuple[int, bytes, str] | None:
+    """(n, state, where from) of the longest stored prefix in any store: a ServerStates says; a MemoryStates'
+    hits count as memory, a PromptStates' as disk."""
+    if isinstance(store, ServerStates):
+        return store.find(key, tokens, longer_than)
+    hit = store.longest(key, tokens, longer_than)
+    return (hit[0], hit[1], "memory" if isinstance(store, MemoryStates) else "disk") if hit else None
+
+
+def has(store, key: str, tokens: Sequence[int]) -> bool:
+    """Whether `store` keeps the state of exactly `tokens` (a MemoryStates has no has(): its longest, at that
+    length only)."""
+    if hasattr(store, "has"):
+        return store.has(key, tokens)
+    tokens = list(tokens)
+    return bool(tokens) and store.longest(key, tokens, len(tokens) - 1) is not None
 
 
 class PromptCache:
@@ -89,7 +178,7 @@ class PromptCache:
         if have > a or have % int(model.n_batch) or model.cold_upto < have:
             return 0
         key = state_key(model)
-        if self.store.has(key, prompt[:a]):
+        if has(self.store, key, prompt[:a]):
             return 0
         model.fill(prompt[:a])
         if model.cold_upto != a or len(model.tokens) != a:
@@ -116,7 +205,7 @@ class PromptCache:
         if common < a and not fill:
             return  # it never caught up with the prefix: not decoded for the store's sake
         key = state_key(model)
-        if self.store.has(key, prompt[:a]):
+        if has(self.store, key, prompt[:a]):
             return
         if common > a:
             model.truncate(a)

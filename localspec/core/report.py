@@ -120,7 +120,7 @@ def openai_usage(stats: Stats) -> dict:
 SERVER_FIELDS = ("tokens_per_second", "acceptance_rate", "tokens_per_pass", "mean_accepted_length", "method",
                  "drafted", "accepted", "target_passes", "ttft_s", "elapsed_s", "steps_by_method", "k_in_use",
                  "acceptance_by_position", "exactness", "exactness_reason", "rollback", "restores", "replayed_tokens",
-                 "sources")
+                 "sources", "prompt_cache")
 
 
 def server_object(stats: Stats, cfg) -> dict:

@@ -20,6 +20,12 @@ Rollback per sequence, by the model's kind (llama/model.py's module docstring ha
   after it are decoded again: the replay. Replays are deferred: the sequence's `tokens` already say where it is,
   and the next decode (or `flush`) first decodes every pending replay, all sequences' in one llama_decode.
 A "none" model (no rollback at all) is refused: it keeps the single-sequence path.
+
+Prompt states (core/prompt_cache.py, the server's store): a transformer sequence's state is read (`state_of`) and
+put back (`restore_state`) as copy_prefix copies one between slots. `cold[s]` says how much of sequence s is held
+as a cold prefill in this context computes it: whole chunks of `cold_chunk` tokens from position 0, each decoded
+alone in its llama_decode (no other sequence's rows beside it), or a state of such a prefix restored or copied.
+Only such a prefix's state is kept, so a restored state holds the bytes the same prompt decoded alone gives.
 """
 
 from __future__ import annotations
@@ -131,6 +137,8 @@ class MultiSeq:
         self.decode_s = 0.0
         self.decodes = 0
         self.last_rows: dict[int, tuple[int, int]] = {}  # seq -> (first row, rows) in the last decode's batch
+        self.cold_chunk = 0  # the chunk `cold` counts in (0: not tracked)
+        self.cold = [0] * self.n_seq  # per sequence: its prefix decoded as a cold prefill here (module docstring)
 
     @property
     def name(self) -> str:
@@ -169,6 +177,11 @@ class MultiSeq:
                 if len(toks) > 1:
                     self.states.save(seq, len(self.tokens[seq]))
         out = self._decode(parts, copy)
+        if len(parts) == 1 and self.cold_chunk and not self.recurrent:  # a chunk alone: a cold prefill's pass?
+            seq, toks, _ = parts[0]
+            c, at = self.cold_chunk, len(self.tokens[seq])
+            if self.cold[seq] == at and at % c == 0 and len(toks) == c:
+                self.cold[seq] = at + c
         for seq, toks, _ in parts:
             self.tokens[seq].extend(int(t) for t in toks)
         return out
@@ -272,6 +285,7 @@ class MultiSeq:
         n_keep = max(int(n_keep), 0)
         if n_keep >= len(self.tokens[seq]):
             return
+        self.cold[seq] = min(self.cold[seq], n_keep)
         if not self.recurrent:
             if not _ll.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
                 raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries of sequence {seq} from {n_keep}")
@@ -361,17 +375,55 @@ class MultiSeq:
         if self.unified:
             _ll.llama_memory_seq_cp(self._mem, src, dst, 0, n)
         else:
-            size = int(_ll.llama_state_seq_get_size(self._ctx, src))
-            buf = (ctypes.c_uint8 * size)()
-            got = int(_ll.llama_state_seq_get_data(self._ctx, buf, size, src))
-            if not got or not int(_ll.llama_state_seq_set_data(self._ctx, buf, got, dst)):
+            data = self.state_of(src)
+            if not data or not self._set_state(dst, data, len(self.tokens[src])):
                 self.clear(dst)
                 return 0
             self.tokens[dst] = list(self.tokens[src])
+            self.cold[dst] = self.cold[src]
             self.truncate(dst, n)
             return n
         self.tokens[dst] = list(self.tokens[src][:n])
+        self.cold[dst] = min(self.cold[src], n)
         return n
+
+    def state_of(self, seq: int) -> bytes:
+        """Sequence `seq`'s state for the tokens it holds, as llama.cpp serializes it (llama_state_seq_get_data):
+        what restore_state() puts back into a sequence of a context with the same settings. b"" for an empty or
+        recurrent sequence (a recurrent state is that of the whole text: not kept this way)."""
+        if self.recurrent or not self.tokens[seq]:
+            return b""
+        size = int(_ll.llama_state_seq_get_size(self._ctx, seq))
+        if size <= 0:
+            return b""
+        buf = (ctypes.c_uint8 * size)()
+        got = int(_ll.llama_state_seq_get_data(self._ctx, buf, size, seq))
+        return ctypes.string_at(buf, got) if got > 0 else b""
+
+    def _set_state(self, seq: int, data: bytes, n: int) -> bool:
+        """Load `data` (state_of) into the emptied sequence `seq`; whether llama.cpp took it and it holds positions
+        0..n-1."""
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        return (int(_ll.llama_state_seq_set_data(self._ctx, buf, len(data), seq)) > 0
+                and int(_ll.llama_memory_seq_pos_min(self._mem, seq)) == 0
+                and int(_ll.llama_memory_seq_pos_max(self._mem, seq)) == n - 1)
+
+    def restore_state(self, seq: int, tokens: Sequence[int], data: bytes, cold: bool = False) -> bool:
+        """Replace sequence `seq`'s cache with a state_of() state of `tokens`. False, with the sequence empty, where
+        llama.cpp refuses the bytes (another KV type or layer count, more cells than a sequence has) or they hold
+        another number of tokens; a recurrent model is refused without a try. No logits: the caller decodes at least
+        the next token. `cold`: the state is of a prefix decoded as a cold prefill here (whole cold_chunk chunks)."""
+        tokens = [int(t) for t in tokens]
+        self.clear(seq)
+        if self.recurrent or not tokens or not data or len(tokens) > self.n_ctx:
+            return False
+        if not self._set_state(seq, data, len(tokens)):
+            self.clear(seq)
+            return False
+        self.tokens[seq] = tokens
+        c = self.cold_chunk
+        self.cold[seq] = len(tokens) if cold and c and len(tokens) % c == 0 else 0
+        return True
 
     def clear(self, seq: int | None = None) -> None:
         """Empty one sequence (None: all of them)."""
@@ -380,9 +432,11 @@ class MultiSeq:
             for s, t in enumerate(self.tokens):
                 t.clear()
                 self.states.cleared(s)
+                self.cold[s] = 0
             return
         _ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
         self.tokens[seq].clear()
+        self.cold[seq] = 0
         self.states.cleared(seq)
 
     def close(self) -> None:

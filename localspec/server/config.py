@@ -22,6 +22,9 @@ DEFAULT_QUEUE = 8  # requests that may wait while one generates
 PARALLEL_CPU = 1
 PARALLEL_GPU = 4
 MAX_PARALLEL = 64
+# --prompt-cache-ram: bytes of prompt states kept in memory for the server's lifetime (core/prompt_cache.py), in
+# front of the disk store: 2 GiB, or an eighth of the machine's memory where that is less
+PROMPT_CACHE_RAM = 2 << 30
 DEFAULT_MAX_BODY = 4 * 1024 * 1024  # bytes
 MAX_STOPS = 16
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there
@@ -61,6 +64,7 @@ class ServerConfig:
     no_metrics: bool = False
     parallel: Optional[int] = None  # slots decoded together (None: default_parallel)
     kv_layout: str = "auto"  # the slots' KV cache: auto | split (one stream each) | unified (one cache)
+    prompt_cache_ram: Optional[int] = None  # bytes of prompt states in memory (None: default_prompt_cache_ram)
 
     def __post_init__(self) -> None:
         for name in ("allowed_hosts", "cors_origins"):  # a list or a comma-separated string is fine too
@@ -84,6 +88,8 @@ class ServerConfig:
             raise UsageError(f"--parallel must be between 1 and {MAX_PARALLEL}, got {self.parallel}")
         if self.kv_layout not in KV_LAYOUTS:
             raise UsageError(f"--kv-layout must be one of {', '.join(KV_LAYOUTS)}, got {self.kv_layout!r}")
+        if self.prompt_cache_ram is not None and self.prompt_cache_ram < 0:
+            raise UsageError(f"--prompt-cache-ram must be >= 0 bytes, got {self.prompt_cache_ram}")
         if self.max_k is not None and self.max_k < 1:
             raise UsageError(f"max k must be >= 1, got {self.max_k}")
         for o in self.cors_origins:  # an entry that is no origin would match no page, silently
@@ -100,7 +106,8 @@ class ServerConfig:
             hosts = split_list(os.environ.get(ALLOWED_HOSTS_ENV))
         max_k = self.max_k if self.max_k is not None else max(1, int(default_k))
         parallel = self.parallel if self.parallel is not None else default_parallel(on_gpu)
-        return dataclasses.replace(self, allowed_hosts=hosts, max_k=max_k, parallel=parallel)
+        ram = self.prompt_cache_ram if self.prompt_cache_ram is not None else default_prompt_cache_ram()
+        return dataclasses.replace(self, allowed_hosts=hosts, max_k=max_k, parallel=parallel, prompt_cache_ram=ram)
 
     def replace(self, **changes) -> "ServerConfig":
         return dataclasses.replace(self, **changes)
@@ -109,3 +116,13 @@ class ServerConfig:
 def default_parallel(on_gpu: bool) -> int:
     """serve's --parallel when none is given: PARALLEL_GPU with the target on a GPU, else PARALLEL_CPU."""
     return PARALLEL_GPU if on_gpu else PARALLEL_CPU
+
+
+def default_prompt_cache_ram() -> int:
+    """serve's --prompt-cache-ram when none is given: PROMPT_CACHE_RAM, or an eighth of the machine's memory where
+    that is less."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return PROMPT_CACHE_RAM
+    return min(PROMPT_CACHE_RAM, total // 8) if total > 0 else PROMPT_CACHE_RAM

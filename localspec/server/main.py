@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 from localspec import session as S
 from localspec.errors import LocalspecError
 from localspec.server.app import create_app
-from localspec.server.config import DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig
+from localspec.server.config import DEFAULT_MAX_BODY, DEFAULT_QUEUE, ServerConfig, default_prompt_cache_ram
 from localspec.server.run import Server, bind, exposure_warning
 
 
@@ -36,6 +36,11 @@ def serve(session, *, host: str = "127.0.0.1", port: int = 8080, api_key: str | 
     stopped, app = False, None
     try:
         session.announce = session.announce or log
+        # prompt states (core/prompt_cache.py), where the setting prompt_cache is on: in memory for the server's
+        # lifetime over the disk store, for one request at a time and for the batch's slots
+        session.prompt_states = True
+        session.prompt_cache_ram = cfg.prompt_cache_ram if cfg.prompt_cache_ram is not None \
+            else default_prompt_cache_ram()
         session.load()
         for note in session.notices():
             log(f"warning: {note}")
