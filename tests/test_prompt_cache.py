@@ -187,3 +187,22 @@ def test_a_reopened_chat_restores_its_start_and_decodes_the_rest(eng):
     assert eng.prefill(history) == len(history) - 512
     assert eng.target.tokens == history and eng.draft.tokens == history
     assert np.array_equal(np.array(eng.target.sync(history)), cold)
+
+
+def test_a_state_from_a_servers_memory_is_reported_as_memory(engine):
+    """A request alone on a server's store (serve --parallel 1) restored from its memory says memory, not disk."""
+    from localspec.core.engine import GenConfig
+    from localspec.core.prompt_cache import PromptCache, ServerStates
+
+    target, saved = engine.target, engine.prompt_cache
+    engine.prompt_cache = PromptCache(ServerStates(1 << 30, None))
+    try:
+        prompt = (engine.raw_prompt("the cat and the dog and a x = y + 1 ") * 80)[:target.n_batch + 40]
+        target.truncate(0)
+        engine.complete(prompt, GenConfig(method="none", max_tokens=4))
+        target.truncate(0)
+        again = engine.complete(prompt, GenConfig(method="none", max_tokens=4))
+        assert again.stats.cached_prompt_tokens == target.n_batch
+        assert again.stats.prompt_cache == "memory"
+    finally:
+        engine.prompt_cache = saved

@@ -223,7 +223,9 @@ class Engine:
         split = pc.save_prefix(target, prompt) if pc is not None else 0
         logits = target.sync(prompt, copy=copy)
         cached = have if split else target.reused
-        return logits, cached, ("disk" if restored and cached else "memory" if cached else "")
+        # a restored state came from the disk, or, from a server's store, from its memory (ServerStates.last_source)
+        where = getattr(pc.store, "last_source", "") or "disk" if restored else ""
+        return logits, cached, (where if restored and cached else "memory" if cached else "")
 
     def restore_draft_state(self, prompt: Sequence[int]) -> None:
         """A draft model of the target's vocabulary: its longest stored prefix state of the prompt, where its cache
