@@ -5,7 +5,9 @@ scripted generation on the real server and the parser is tested on fixed strings
 
 from __future__ import annotations
 
+import http.client
 import json
+import math
 
 import pytest
 
@@ -395,15 +397,175 @@ def answered(extra=()):
             {"role": "tool", "tool_call_id": "call_1", "content": RESULT}, *extra]
 
 
-@pytest.mark.parametrize("form", ECHO)
-def test_a_call_echoed_after_its_result_is_content_not_a_new_call(open_api, monkeypatch, form):
-    Scripted(monkeypatch, open_api.session.engine, [ECHO[form]] * 2)
+ANSWER = "It is 31 C and clear in Paris."
+RETRIED = "the answer repeated a call already answered in this turn; answered again without tool calls"
+
+
+def tokens(text):  # what Scripted counts: a token per 3 characters
+    return math.ceil(len(text) / 3)
+
+
+@pytest.mark.parametrize("form", [*ECHO, "fenced", "twice"])
+def test_an_answer_that_only_echoes_an_answered_call_is_generated_again_without_tools(open_api, monkeypatch, form):
+    echo = {**ECHO, "fenced": WRITTEN["fenced"], "twice": ECHO["hermes"] + "\n" + ECHO["hermes"]}[form]
+    sc = Scripted(monkeypatch, open_api.session.engine, ["\n" + echo + "\n", ANSWER] * 2)
     c = open_api.client(max_retries=0)
     kw = dict(model="x", messages=answered(), tools=TOOLS, tool_choice="auto")
-    ch = c.chat.completions.create(**kw).choices[0]
-    assert ch.finish_reason == "stop" and not ch.message.tool_calls and ch.message.content == ECHO[form]
-    content, calls, finish, _ = streamed(c, **kw)
-    assert (content, calls, finish) == (ECHO[form], {}, "stop")
+    r = c.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert ch.finish_reason == "stop" and not ch.message.tool_calls and ch.message.content == ANSWER
+    assert r.model_extra["localspec"]["retried"] == RETRIED
+    # the second generation is a tool_choice none request's: its prompt shows no tools, no grammar holds it
+    assert "<tools>" in sc.prompts[-2] and "<tools>" not in sc.prompts[-1] and "get_weather" in sc.prompts[-1]
+    assert sc.constraints[0] is not None and sc.constraints[1] is None
+    assert r.usage.completion_tokens == tokens("\n" + echo + "\n") + tokens(ANSWER)
+    content, calls, finish, chunks = streamed(c, stream_options={"include_usage": True}, **kw)
+    assert (content, calls, finish) == (ANSWER, {}, "stop")
+    # nothing of the echo reached the client: the role opens the answer, then the second answer's text
+    sent = [ch.choices[0].delta for ch in chunks if ch.choices]
+    assert sent[0].role == "assistant" and "".join(d.content or "" for d in sent) == ANSWER
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+    assert chunks[-1].model_extra["localspec"]["retried"] == RETRIED
+
+
+def test_usage_counts_both_generations(open_api, monkeypatch):
+    Scripted(monkeypatch, open_api.session.engine, [ANSWER, ANSWER, ECHO["hermes"], ANSWER])
+    c = open_api.client(max_retries=0)
+    kw = dict(model="x", messages=answered(), tools=TOOLS)
+    first = c.chat.completions.create(**kw).usage.prompt_tokens  # the request's prompt, with its tools
+    again = c.chat.completions.create(tool_choice="none", **kw).usage.prompt_tokens  # the same without them
+    u = c.chat.completions.create(**kw).usage
+    assert first > again and u.prompt_tokens == first + again
+    assert u.completion_tokens == tokens(ECHO["hermes"]) + tokens(ANSWER) and u.total_tokens == \
+        u.prompt_tokens + u.completion_tokens
+
+
+@pytest.mark.parametrize("answer,calls", [
+    ("Let me check again. " + ECHO["doubled braces"], []),  # something else said: the answer stands
+    (ECHO["hermes"] + "\n" + CALL.replace("Paris", "Oslo"), [("get_weather", {"city": "Oslo"})]),  # a new call
+])
+def test_an_echo_with_more_in_the_answer_is_not_generated_again(open_api, monkeypatch, answer, calls):
+    Scripted(monkeypatch, open_api.session.engine, [answer] * 2)  # a second generation would find no answer
+    c = open_api.client(max_retries=0)
+    kw = dict(model="x", messages=answered(), tools=TOOLS, tool_choice="auto")
+    r = c.chat.completions.create(**kw)
+    ch = r.choices[0]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in ch.message.tool_calls or ()] == calls
+    assert calls or ch.message.content == answer
+    assert "retried" not in r.model_extra["localspec"]
+    content, got, finish, _ = streamed(c, **kw)
+    assert [(s["name"], json.loads(s["arguments"])) for s in got.values()] == calls
+    assert calls or content == answer
+
+
+@pytest.mark.parametrize("choice,extra", [
+    ("auto", ()),  # a first turn: nothing answered yet
+    ("required", None), ({"type": "function", "function": {"name": "get_weather"}}, None),  # a forced call
+])
+def test_a_call_where_none_was_answered_or_one_was_asked_for_is_not_generated_again(open_api, monkeypatch, choice,
+                                                                                    extra):
+    Scripted(monkeypatch, open_api.session.engine, [CALL] * 2)
+    c = open_api.client(max_retries=0)
+    msgs = answered()[:1] if extra == () else answered()
+    kw = dict(model="x", messages=msgs, tools=TOOLS, tool_choice=choice)
+    r = c.chat.completions.create(**kw)
+    assert r.choices[0].finish_reason == "tool_calls" and "retried" not in r.model_extra["localspec"]
+    assert [t.function.name for t in r.choices[0].message.tool_calls] == ["get_weather"]
+    _, calls, finish, _ = streamed(c, **kw)
+    assert finish == "tool_calls" and [s["name"] for s in calls.values()] == ["get_weather"]
+
+
+def test_each_of_n_choices_is_generated_again_on_its_own(open_api, monkeypatch):
+    # choice 0 echoes, choice 1 answers; choice 0's second generation comes after choice 1 (queued first)
+    Scripted(monkeypatch, open_api.session.engine, [ECHO["hermes"], "Sunny.", ANSWER])
+    c = open_api.client(max_retries=0)
+    r = c.chat.completions.create(model="x", messages=answered(), tools=TOOLS, n=2)
+    assert [ch.message.content for ch in r.choices] == [ANSWER, "Sunny."]
+    assert [x.get("retried") for x in r.model_extra["localspec"]["choices"]] == [RETRIED, None]
+
+
+def sse(s, path, body):
+    """The data objects of a streamed POST, as sent."""
+    conn = http.client.HTTPConnection(s.host, int(s.port), timeout=60)
+    try:
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        blocks = r.read().decode().split("\n\n")
+        return [json.loads(line[len("data: "):]) for b in blocks for line in b.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+    finally:
+        conn.close()
+
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}
+RESPONSES_INPUT = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+    {"type": "function_call_output", "call_id": "call_1", "output": RESULT}]
+
+
+def test_an_echo_on_responses_is_generated_again(open_api, monkeypatch):
+    sc = Scripted(monkeypatch, open_api.session.engine, [ECHO["doubled braces"], ANSWER] * 2)
+    body = {"tools": [RESPONSES_TOOL], "input": RESPONSES_INPUT}
+    status, _, whole = open_api.raw("POST", "/v1/responses", json.dumps(body))
+    assert status == 200, whole
+    assert [(o["type"], o["content"][0]["text"]) for o in whole["output"]] == [("message", ANSWER)], whole
+    assert whole["localspec"]["retried"] == RETRIED and "<tools>" not in sc.prompts[-1]
+    events = sse(open_api, "/v1/responses", body)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == ANSWER
+    assert not any("get_weather" in json.dumps(e) for e in events if e["type"] != "response.created"
+                   and e["type"] != "response.in_progress" and e["type"] != "response.completed")
+    final = events[-1]["response"]
+    assert [o["type"] for o in final["output"]] == ["message"] and final["localspec"]["retried"] == RETRIED
+    assert final["usage"]["output_tokens"] == whole["usage"]["output_tokens"] == \
+        tokens(ECHO["doubled braces"]) + tokens(ANSWER)
+
+
+def test_an_echo_on_messages_is_generated_again(open_api, monkeypatch):
+    Scripted(monkeypatch, open_api.session.engine, [ECHO["hermes"], ANSWER] * 2)
+    body = {"model": "x", "max_tokens": 100, "tools": [{"name": "get_weather", "input_schema": TOOLS[0]["function"][
+        "parameters"]}], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT}]}]}
+    status, _, whole = open_api.raw("POST", "/v1/messages", json.dumps(body))
+    assert status == 200, whole
+    assert whole["content"] == [{"type": "text", "text": ANSWER}] and whole["stop_reason"] == "end_turn"
+    assert whole["localspec"]["retried"] == RETRIED
+    events = sse(open_api, "/v1/messages", body)
+    assert [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"] == ["text"]
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == ANSWER
+    end = next(e for e in events if e["type"] == "message_delta")
+    assert end["delta"]["stop_reason"] == "end_turn" and end["localspec"]["retried"] == RETRIED
+    assert end["usage"]["output_tokens"] == whole["usage"]["output_tokens"]
+
+
+def test_a_streamed_message_generated_again_after_pings_loses_nothing(open_api, monkeypatch):
+    import time
+
+    from localspec.server import anthropic as A
+
+    sc = Scripted(monkeypatch, open_api.session.engine, [ECHO["hermes"], ANSWER])
+    scripted = sc.generate
+
+    def slow(*a, **kw):  # a long prefill: pings while each generation has sent nothing yet
+        time.sleep(0.3)
+        yield from scripted(*a, **kw)
+
+    monkeypatch.setattr(open_api.session.engine, "generate", slow)
+    monkeypatch.setattr(A, "PING_S", 0.05)
+    events = sse(open_api, "/v1/messages", {"model": "x", "max_tokens": 100, "tools": [{
+        "name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}], "messages": [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT}]}]})
+    assert [e["type"] for e in events].count("ping") > 2
+    assert "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta") == ANSWER
+    assert next(e for e in events if e["type"] == "message_delta")["localspec"]["retried"] == RETRIED
 
 
 @pytest.mark.parametrize("answer,extra", [
@@ -418,17 +580,6 @@ def test_a_call_that_is_no_echo_of_an_answered_one_is_a_call(open_api, monkeypat
     c = open_api.client(max_retries=0)
     ch = c.chat.completions.create(model="x", messages=answered(extra), tools=TOOLS).choices[0]
     assert ch.finish_reason == "tool_calls" and ch.message.tool_calls
-
-
-def test_an_echoed_function_call_item_on_responses_is_text(open_api, monkeypatch):
-    Scripted(monkeypatch, open_api.session.engine, [ECHO["doubled braces"]])
-    status, _, body = open_api.raw("POST", "/v1/responses", json.dumps({"tools": [{
-        "type": "function", "name": "get_weather", "parameters": TOOLS[0]["function"]["parameters"]}], "input": [
-        {"role": "user", "content": "Weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-        {"type": "function_call_output", "call_id": "call_1", "output": RESULT}]}))
-    assert status == 200, body
-    assert [o["type"] for o in body["output"]] == ["message"], body
 
 
 def test_a_cut_answer_on_responses_keeps_its_whole_calls(open_api, monkeypatch):

@@ -1,6 +1,7 @@
 """Tool calls through `localspec serve` on real models, as the model writes them: a forced answer cut by the token
 limit (SmolLM2-135M, `$defs` parameters), and the second turn of a tool loop on the default target
-(Qwen2.5-Coder-1.5B), which echoes the call it made instead of answering. Skipped when the models are absent."""
+(Qwen2.5-Coder-1.5B), which echoes the call it made instead of answering (the turn is then generated again without
+tools). Skipped when the models are absent."""
 
 from __future__ import annotations
 
@@ -67,8 +68,9 @@ def test_the_second_turn_of_a_tool_loop_answers_instead_of_calling_again(qwen):
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     msgs += [first.message.model_dump(exclude_none=True),
              {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temp_c": 31, "sky": "clear"})}]
-    second = c.chat.completions.create(model="x", messages=msgs, tools=[WEATHER_TOOL], tool_choice="auto",
-                                       max_tokens=60).choices[0]
-    # the model echoes its call; an agent given that as a call would call again until its step limit
+    r = c.chat.completions.create(model="x", messages=msgs, tools=[WEATHER_TOOL], tool_choice="auto", max_tokens=60)
+    second = r.choices[0]
+    # the model echoes its call: that answer is generated again without tools, and says what the result holds
     assert second.finish_reason == "stop" and not second.message.tool_calls, second
-    assert second.message.content
+    assert "31" in second.message.content, second
+    assert r.model_extra["localspec"]["retried"], r

@@ -392,7 +392,8 @@ async def stream(name: str, req: MessagesRequest, names: set[str] | None, target
         yield event("ping")
         while True:
             if ev is None:
-                getter = asyncio.ensure_future(job.events.get())
+                if getter is None:  # one read at a time: a read left waiting through a ping takes the next event
+                    getter = asyncio.ensure_future(job.events.get())
                 done, _ = await asyncio.wait({getter}, timeout=PING_S)
                 if not done:
                     yield event("ping")
@@ -403,6 +404,8 @@ async def stream(name: str, req: MessagesRequest, names: set[str] | None, target
                 yield event("error", error=error_of(ev)["error"])
                 break
             out: list[bytes] = []
+            if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+                splitter.again()
             if isinstance(ev, Piece):
                 piece = ev.text if splitter is None else splitter.feed(ev.text)
                 if piece:

@@ -176,14 +176,18 @@ class Generations:
         return cfg
 
     async def run(self, request: Request, req: Common, build, chunk, whole, tools: set[str] | None = None,
-                  stream=None, logprobs=None, constraint=None, constraint_again=None, early: bool = False):
+                  stream=None, logprobs=None, constraint=None, constraint_again=None, early: bool = False,
+                  again=None):
         """`tools`: the names of the request's tools (None: no tools); the answer is then read for tool calls.
         `stream(job, first event, cfg, cid, now)`: the streamed body's events, instead of chat/completions' (one
         answer: the endpoints that have their own, /v1/responses and /v1/messages, take no n). `early`: the stream
         opens as soon as the request is queued, its first event None (the stream waits for it, and answers an error
         in its own events).
         `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
-        `constraint`: the grammar of a forced tool call (server/tools.py)."""
+        `constraint`: the grammar of a forced tool call (server/tools.py).
+        `again`: (the names the answer is read against (tools.reading), turn()): an answer that only echoes calls
+        answered in this turn is generated once more as under tool_choice none, turn() giving that request's prompt
+        builder and grammar (tools.Retry), whole or streamed, each of n choices on its own."""
         cfg = self.gen_config(req, constraint)
         tokens = await self.prompt(build, cfg)
         n = req.n or 1
@@ -194,6 +198,8 @@ class Generations:
                 for c in cfgs]
         for job in jobs:
             self.worker.submit(job)
+        if again is not None:  # the jobs' events, read through a second generation where one is needed
+            jobs = [T.Retry(job, again[0], lambda i=i: self._again(req, i, again[1])) for i, job in enumerate(jobs)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cid = uuid.uuid4().hex[:24]
         now = int(time.time())
@@ -265,8 +271,23 @@ class Generations:
                 return ev
             if lp is not None and isinstance(ev, Piece):
                 lp.add(ev)
+            if lp is not None and isinstance(ev, T.Again):  # the echo's tokens are no part of the answer
+                lp.take()
             ev = await next_event(request, job)
         return ev
+
+    async def _again(self, req: Common, i: int, turn):
+        """Choice i generated once more as under tool_choice none (turn(): its prompt builder and grammar), its job
+        submitted (tools.Retry); None when it cannot be (a full queue, say): the first answer stands."""
+        build, constraint = turn()
+        try:
+            cfg = self.choice_config(req, i, lambda: constraint)
+            tokens = await self.prompt(build, cfg)
+            job = Job(lambda eng: tokens, cfg, asyncio.get_running_loop(), asyncio.Queue(), n_prompt=len(tokens))
+            self.worker.submit(job)
+        except APIError:
+            return None
+        return job
 
     async def _merged(self, streams: list, include_usage: bool):
         """The SSE events of n choices' streams as one stream, as OpenAI sends n > 1: each chunk names its choice
@@ -325,6 +346,10 @@ class Generations:
                 if isinstance(ev, APIError):  # a failed generation, or the server shutting down
                     yield sse(ev.body())
                     break
+                if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+                    splitter.again()
+                    if lp is not None:
+                        lp.take()
                 if isinstance(ev, Piece):
                     if lp is not None:
                         lp.add(ev)
@@ -444,11 +469,20 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
             return None
         return Grammar(auto[0], engine.target) if auto[1] is None else Lazy(auto[0], engine.target, auto[1])
 
+    def without_tools(msgs: list[dict], grammar: str | None = None):
+        """turn() of Generations.run's `again`: the request as under tool_choice none (its prompt builder, and the
+        grammar of its output format, if any)."""
+        def turn():
+            shown, _ = T.for_template(msgs, None, template_of(engine))
+            return (lambda eng: chat_tokens(eng, shown, None)), \
+                (Grammar(grammar, engine.target) if grammar is not None else None)
+        return turn
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
         tools, names = T.check_tools(req.tools, req.tool_choice)
-        msgs = chat_messages(req)
+        msgs = given = chat_messages(req)
         names = T.reading(names, msgs, req.parallel_tool_calls is not False, req.tool_choice)
         msgs, taught = T.for_template(msgs, tools, template_of(engine))
         output = schema_of(req.response_format) if tools is not None else None
@@ -457,7 +491,8 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
                               lambda *a: O.chat_chunk(name, *a), lambda *a: O.chat_whole(name, *a),
                               tools=names if tools is not None else None, logprobs=O.chat_logprobs,
                               constraint=con, constraint_again=None if con is None else lambda: tool_constraint(
-                                  tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught))
+                                  tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught),
+                              again=(names, without_tools(given)) if tools is not None else None)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -470,7 +505,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     @app.post("/v1/responses")
     async def responses(request: Request):
         req = await parse_body(request, R.ResponsesRequest)
-        msgs = R.messages_of(req)
+        msgs = given = R.messages_of(req)
         if req.max_output_tokens is not None:
             req.max_tokens = req.max_output_tokens
         tools, choice = R.chat_tools(req)
@@ -485,37 +520,40 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         found = names if tools is not None else None
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools), None,
                               R.whole(name, req, found), stream=lambda *a: R.stream(name, req, found, *a),
-                              constraint=con)
+                              constraint=con,
+                              again=(names, without_tools(given, grammar)) if found is not None else None)
 
     def anthropic_request(req: A.MessagesRequest, grammar: bool = True):
-        """(prompt builder, the tools' names or None, the tool grammar) of a Messages request, as chat's."""
-        msgs = A.messages_of(req)
+        """(prompt builder, the tools' names or None, the tool grammar, Generations.run's `again`) of a Messages
+        request, as chat's."""
+        msgs = given = A.messages_of(req)
         tools, choice, parallel = A.chat_tools(req)
         tools, names = T.check_tools(tools, choice)
         names = T.reading(names, msgs, parallel, choice)
         msgs, taught = T.for_template(msgs, tools, template_of(engine))
-        con = None
+        con = json_grammar = None
         if grammar:  # tools and a JSON output format together: a call or that JSON, as on /v1/responses
             output, json_grammar = A.output_format(req)
             con = tool_constraint(tools, choice, parallel, output, taught) if tools is not None else None
             if con is None and json_grammar is not None:
                 con = Grammar(json_grammar, engine.target)
-        return (lambda eng: chat_tokens(eng, msgs, tools)), (names if tools is not None else None), con
+        again = (names, without_tools(given, json_grammar)) if tools is not None else None
+        return (lambda eng: chat_tokens(eng, msgs, tools)), (names if tools is not None else None), con, again
 
     @app.post("/v1/messages")
     async def messages(request: Request):
         req = await parse_body(request, A.MessagesRequest)
-        build, found, con = anthropic_request(req)
+        build, found, con, again = anthropic_request(req)
         return await gens.run(request, req, build, None, A.whole(name, req, found, engine.target),
                               stream=lambda *a: A.stream(name, req, found, engine.target, *a), constraint=con,
-                              early=True)
+                              early=True, again=again)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = await parse_body(request, A.MessagesRequest)
         if req.max_tokens is None:
             req.max_tokens = 1  # count_tokens takes none
-        build, _, _ = anthropic_request(req, grammar=False)
+        build = anthropic_request(req, grammar=False)[0]
         try:
             tokens = await asyncio.to_thread(build, engine)
         except UsageError as exc:

@@ -93,8 +93,16 @@ def invalid(errors) -> APIError:
 
 
 # the per-response figures come from the one report of a generation (core/report.py)
-localspec_stats = server_object
 usage = openai_usage
+
+
+def localspec_stats(stats, cfg) -> dict:
+    """The `localspec` object of a response; `retried`: why the answer was generated twice (server/tools.py Retry),
+    its figures those of both generations."""
+    d = server_object(stats, cfg)
+    if getattr(stats, "retried", None):
+        d["retried"] = stats.retried
+    return d
 
 
 def sse(obj) -> bytes:

@@ -250,6 +250,8 @@ async def stream(name: str, req: ResponsesRequest, names: set[str] | None, job, 
             if isinstance(ev, APIError):
                 yield nxt("error", code=ev.code, message=ev.message, param=ev.param)
                 break
+            if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+                splitter.again()
             if isinstance(ev, Piece):
                 piece = ev.text if splitter is None else splitter.feed(ev.text)
                 if piece:

@@ -11,7 +11,9 @@ that parse as a JSON object; anything else stays text (a function only mentioned
 A call the end of the answer cut off (the token limit, a stop string) is dropped when whole calls come before it.
 Under tool_choice auto, a call that repeats one already answered in this turn (the same function and arguments,
 its result in the conversation) is content: small models echo the call they just made instead of answering, and an
-agent would call again forever. With parallel_tool_calls false an answer holds one call (`reading`).
+agent would call again forever. An answer that is nothing but such echoes (`echoed`) says nothing, so the turn is
+generated once more as under tool_choice none, and that answer is the request's (`Retry`). With parallel_tool_calls
+false an answer holds one call (`reading`).
 
 A template that prints no tools at all is given them in the system message with the Hermes format (`for_template`),
 and calls and results in the conversation are written in that format.
@@ -24,17 +26,22 @@ uses.
 
 Streaming (`ToolStream`): text is passed on until a call could be beginning; from there it is held back while it
 may still be one and, at the end, sent as `tool_calls` deltas, the arguments in pieces (or as content when it was
-not a call after all).
+not a call after all). An echo that is the whole answer is held back whole, so the answer generated again takes its
+place unseen (`Again`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
 import weakref
+from collections import Counter
 from dataclasses import dataclass
+from itertools import zip_longest
 
+from localspec.core.generation import Finished
 from localspec.server.openai import MAX_DEPTH, APIError, too_deep
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
@@ -461,6 +468,16 @@ def _read(text: str, names: set[str]) -> tuple[int, list[ToolCall]]:
     return (at, calls) if calls else (len(text), [])
 
 
+def echoed(text: str, names) -> bool:
+    """Whether a finished answer is nothing but calls that repeat calls answered in this turn (`Names.answered`),
+    whitespace aside: read as content, it says nothing the client can use."""
+    if not getattr(names, "answered", None):
+        return False
+    at, calls = _split(text, names)
+    repeats = [c for c in calls if _key(c.name, c.arguments) in names.answered]
+    return bool(calls) and len(repeats) == len(calls) and not text[:at].strip()
+
+
 def parse(text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     """(content, calls) of a finished answer; no calls: the text unchanged as content. A call names one of the
     request's tools with arguments that parse as a JSON object, and nothing but calls follows it; text that only
@@ -559,6 +576,10 @@ class ToolStream:
             keep = max(keep, len(self.held) - m.start())
         return keep
 
+    def again(self) -> None:
+        """The answer is generated again (`Again`): what was held, an echo that was never sent, is dropped."""
+        self.sent, self.held, self.holding = "", "", False
+
     def end(self) -> tuple[str, list[ToolCall]]:
         text = self.sent + self.held
         at, calls = _read(text, self.names)
@@ -604,3 +625,58 @@ def call_deltas(call: ToolCall, index: int, role: bool = False) -> list[dict]:
         first = {"role": "assistant", **first}
     return [first] + [{"tool_calls": [{"index": index, "function": {"arguments": piece}}]}
                       for piece in argument_pieces(call.arguments)]
+
+
+# ------------------------------------------------------------------ an answer that only echoes answered calls
+RETRIED = "the answer repeated a call already answered in this turn; answered again without tool calls"
+# the figures of a generation that add up over two (usage, the speculation counts, the times)
+_SUMMED = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "drafted", "accepted", "target_passes",
+           "drafting_steps", "plain_s", "prompt_s", "draft_s", "verify_s", "elapsed_s", "restores", "replayed_tokens",
+           "rs_rollbacks", "rollback_s", "draft_restores", "draft_replayed_tokens")
+
+
+class Again:
+    """The event between the two generations of a retried answer (`Retry`): a ToolStream drops what it held."""
+
+
+def retried(first: Finished, second: Finished) -> Finished:
+    """The answer of a retried request: the second generation's, with the figures of both (usage counts both
+    prompts and both answers; the first token came after the whole first generation) and `retried`, the note
+    the `localspec` object carries."""
+    a, b = first.stats, second.stats
+    stats = dataclasses.replace(
+        b, **{k: getattr(a, k) + getattr(b, k) for k in _SUMMED}, ttft_s=a.elapsed_s + b.ttft_s,
+        **{k: Counter(getattr(a, k)) + Counter(getattr(b, k))
+           for k in ("k_used", "method_used", "drafted_by", "accepted_by")},
+        **{k: [x + y for x, y in zip_longest(getattr(a, k), getattr(b, k), fillvalue=0)]
+           for k in ("drafted_at", "accepted_at")})
+    stats.retried = RETRIED
+    return Finished(second.text, second.tokens, second.finish_reason, stats)
+
+
+class Retry:
+    """A generation's events, read as a server/queue.py Job's (`events.get()`, `cancel`, `n_prompt`, `checked`),
+    for an answer under tool_choice auto: when it is nothing but echoes of calls answered in this turn (`echoed`),
+    `again()` (a coroutine: the turn as under tool_choice none, its job submitted; None when it cannot start, and
+    the echo stands as content) starts a second generation, whose events follow an `Again`, its Finished
+    `retried`. Nothing of the echo was sent: a ToolStream holds a call from its start to the end."""
+
+    def __init__(self, job, names, again) -> None:
+        self.job, self.names, self.again, self.first = job, names, again, None
+        self.events, self.n_prompt, self.checked = self, job.n_prompt, job.checked
+
+    @property
+    def cancel(self):
+        return self.job.cancel
+
+    async def get(self):
+        ev = await self.job.events.get()
+        if isinstance(ev, Finished):
+            if self.first is not None:
+                return retried(self.first, ev)
+            if ev.finish_reason != "cancelled" and echoed(ev.text, self.names):
+                job = await self.again()
+                if job is not None:
+                    self.first, self.job = ev, job
+                    return Again()
+        return ev
