@@ -10,7 +10,8 @@ draft model, the draft model chained with the suffix cache, and an adversarial d
 (past the step's k too) of correct tokens followed by garbage. A random policy picks the drafter and k each step,
 past the bit cap too, so the scheduler's own bounds are what keep `bit`; the adaptive controller runs on the same
 cases with warm repeats. Caches are warm or cold at random: the target's and the draft model's KV (prefix reuse),
-the n-gram counts and the suffix corpus. Requests run alone (N = 1) and four at once (N = 4).
+the prompt states (a quarter of the prompts pass the prefill chunk, whose start is kept and restored), the n-gram
+counts and the suffix corpus. Requests run alone (N = 1) and four at once (N = 4).
 
 LOCALSPEC_PROPERTY_CASES sets the random cases per test (CI's default below; benchmarks/property_long.sh runs more),
 LOCALSPEC_PROPERTY_SEED the first seed; a failure names its seed.
@@ -26,7 +27,7 @@ import pytest
 
 from tinymodels import WORDS
 
-CASES = int(os.environ.get("LOCALSPEC_PROPERTY_CASES", "10"))
+CASES = int(os.environ.get("LOCALSPEC_PROPERTY_CASES", "40"))
 SEED = int(os.environ.get("LOCALSPEC_PROPERTY_SEED", "0"))
 TIE = 0.02  # logits: a lossless token may differ from plain decoding's only where the two top logits are this close
 BIT_CAP = 2  # the bit cap the tests force (the tiny F16 models verify every width bit-exactly on most CPUs)
@@ -58,6 +59,11 @@ class Case:
         rng = np.random.default_rng(seed)
         self.seed = seed
         self.prompt = engine.raw_prompt(random_text(rng))
+        if rng.random() < 0.25:  # past the prefill chunk: the prompt cache keeps and restores its start
+            n = int(engine.target.n_batch) + int(rng.integers(1, 120))
+            while len(self.prompt) < n:
+                self.prompt += engine.raw_prompt(random_text(rng))[1:]
+            self.prompt = self.prompt[:n]
         self.max_tokens = int(rng.integers(4, 48))
         full = engine.complete(self.prompt, GenConfig(method="none", max_tokens=self.max_tokens))
         self.stop = None
@@ -203,14 +209,18 @@ def bit_steps_within_cap(fin, cap: int, where: str) -> None:
 
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def capped(engine):
-    """The tiny engine with its bit cap forced to BIT_CAP drafts and a flat verify curve (drafting always pays, as
-    on a GPU), restored after the module."""
-    saved = engine._probe, engine.verify_costs
+def capped(engine, tmp_path_factory):
+    """The tiny engine with its bit cap forced to BIT_CAP drafts, a flat verify curve (drafting always pays, as on a
+    GPU) and a prompt cache (a server's: memory over disk), restored after the module."""
+    from localspec.core.prompt_cache import PromptCache, ServerStates
+    from localspec.store.prompt_states import PromptStates
+
+    saved = engine._probe, engine.verify_costs, engine.prompt_cache
     engine._probe = (64, BIT_CAP + 1)
     engine.verify_costs = lambda upto: {b: 1.0 for b in range(1, upto + 1)}
+    engine.prompt_cache = PromptCache(ServerStates(1 << 28, PromptStates(root=tmp_path_factory.mktemp("states"))))
     yield engine
-    engine._probe, engine.verify_costs = saved
+    engine._probe, engine.verify_costs, engine.prompt_cache = saved
 
 
 @pytest.fixture
@@ -258,6 +268,15 @@ def random_policy_runs(engine, cases: list[Case], rng: np.random.Generator, scop
         return RandomPolicy(drafters, max(k, 1), rng), label, k
 
     monkeypatch.setattr(engine, "make_policy", random_policy)
+    restores = []
+    real_restore = type(engine.target).restore_state
+
+    def restore_state(model, tokens, data, *a, **kw):
+        ok = real_restore(model, tokens, data, *a, **kw)
+        restores.append(ok)
+        return ok
+
+    monkeypatch.setattr(type(engine.target), "restore_state", restore_state)
     drafted = 0
     for case in cases:
         for level in ("bit", "lossless"):
@@ -268,6 +287,9 @@ def random_policy_runs(engine, cases: list[Case], rng: np.random.Generator, scop
             check(engine, case, fin, level, "random policy")
             drafted += fin.stats.drafted
     monkeypatch.undo()
+    long_twice = sum(len(c.prompt) > engine.target.n_batch for c in cases)
+    if engine.prompt_cache is not None and long_twice >= 3:  # a long prompt's start came back from the prompt cache
+        assert any(restores), "no prompt state was restored"
     return drafted
 
 
