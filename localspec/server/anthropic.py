@@ -376,6 +376,16 @@ def error_of(err: APIError) -> dict:
     return {"type": "error", "error": {"type": error_type(status), "message": worded(err.message, err.param)}}
 
 
+def text_delta(out: list, text: str, index: int, text_open: bool) -> tuple[int, bool]:
+    """Append `text` to a stream's events as a text delta, opening a text block first where none is open; returns the
+    block index and whether a text block is open."""
+    if not text_open:
+        index, text_open = index + 1, True
+        out.append(event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
+    out.append(event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}))
+    return index, text_open
+
+
 async def stream(name: str, req: MessagesRequest, names: set[str] | None, target, job, ev, cfg, cid: str, now: int):
     """Anthropic's server-sent events for one generation. `ev` None: the stream opens before the first event (a
     ping every PING_S while the prompt is prefilled or the request waits in the queue). With tools (`names`), text
@@ -409,23 +419,13 @@ async def stream(name: str, req: MessagesRequest, names: set[str] | None, target
             if isinstance(ev, Piece):
                 piece = ev.text if splitter is None else splitter.feed(ev.text)
                 if piece:
-                    if not text_open:
-                        index, text_open = index + 1, True
-                        out.append(event("content_block_start", index=index,
-                                         content_block={"type": "text", "text": ""}))
-                    out.append(event("content_block_delta", index=index, delta={"type": "text_delta",
-                                                                                "text": piece}))
+                    index, text_open = text_delta(out, piece, index, text_open)
             elif isinstance(ev, Finished):
                 calls: list = []
                 if splitter is not None:
                     rest, calls = splitter.end()
                     if rest:
-                        if not text_open:
-                            index, text_open = index + 1, True
-                            out.append(event("content_block_start", index=index,
-                                             content_block={"type": "text", "text": ""}))
-                        out.append(event("content_block_delta", index=index, delta={"type": "text_delta",
-                                                                                    "text": rest}))
+                        index, text_open = text_delta(out, rest, index, text_open)
                 if not text_open and not calls:  # an empty answer: an empty text block, as when whole
                     index, text_open = index + 1, True
                     out.append(event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
