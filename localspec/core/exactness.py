@@ -53,15 +53,10 @@ def _long_ok(model, upto: int) -> bool:
 
 
 def _build() -> str:
-    """The llama.cpp build and the CPU it runs on: its version, what it was compiled with (llama_print_system_info's
-    features and backends) and the CPU's features. A rebuild with other CMAKE_ARGS (AVX-512 off, CUDA on) keeps the
-    version, and a cache dir shared between machines (a network home) keeps the file, but either changes the
-    kernels, and so what the probes measure. (Not the devices' list: asking an RPC device is a network call.)"""
-    import hashlib
+    """The llama.cpp build and the CPU it runs on (llama/sysinfo.build_id): a key part of every probe."""
+    from localspec.llama.sysinfo import build_id
 
-    from localspec.llama.sysinfo import cpu_flags, llama_cpp_version, system_info
-    what = [system_info(), *sorted(cpu_flags())]
-    return f"{llama_cpp_version()}+{hashlib.sha256(chr(10).join(what).encode()).hexdigest()[:12]}"
+    return build_id()
 
 
 def _file_version(path) -> str:

@@ -17,6 +17,23 @@ def system_info() -> str:
     return ll.llama_print_system_info().decode("utf-8", "replace")
 
 
+def build_id() -> str:
+    """The llama.cpp build and the CPU it runs on: its version, what it was compiled with (llama_print_system_info's
+    features and backends) and the CPU's features. A rebuild with other CMAKE_ARGS (AVX-512 off, CUDA on) keeps the
+    version, and a cache dir shared between machines (a network home) keeps the file, but either changes the
+    kernels, and so what the probes measure and the bytes of a prompt state. (Not the devices' list: asking an RPC
+    device is a network call.) Read once per process: the build does not change under it."""
+    if not _BUILD_ID:
+        import hashlib
+
+        what = [system_info(), *sorted(cpu_flags())]
+        _BUILD_ID.append(f"{llama_cpp_version()}+{hashlib.sha256(chr(10).join(what).encode()).hexdigest()[:12]}")
+    return _BUILD_ID[0]
+
+
+_BUILD_ID: list[str] = []
+
+
 def supports_gpu_offload() -> bool:
     """True when llama.cpp has a GPU (or integrated GPU) device to offload layers to. (llama_supports_gpu_offload
     also answers True for any build with the RPC backend, which every localspec build has, GPU or not.)"""

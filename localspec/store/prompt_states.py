@@ -91,7 +91,6 @@ def aligned(n: int) -> int:
 
 # ------------------------------------------------------------------ keys
 _HEAD_TAIL: dict[tuple, str] = {}
-_BUILD: list[str] = []
 
 
 def _file_identity(path) -> str:
@@ -112,21 +111,12 @@ def _file_identity(path) -> str:
     return f"{p}|{st.st_size}|{st.st_mtime_ns}|{digest}"
 
 
-def _build() -> str:
-    """The llama.cpp build and the CPU (as core/exactness.py keys its probes)."""
-    if not _BUILD:
-        from localspec.llama.sysinfo import cpu_flags, llama_cpp_version, system_info
-
-        what = [system_info(), *sorted(cpu_flags())]
-        _BUILD.append(f"{llama_cpp_version()}+{hashlib.sha256(chr(10).join(what).encode()).hexdigest()[:12]}")
-    return _BUILD[0]
-
-
 def state_key(model) -> str:
     """The key of a loaded Model's states: what changes their bytes (see the module's docstring)."""
     from localspec.knobs import knobs
+    from localspec.llama.sysinfo import build_id
 
-    parts = ["prompt-state", FORMAT, _file_identity(model.path), _build(), model.kv_type, model.n_gpu_layers,
+    parts = ["prompt-state", FORMAT, _file_identity(model.path), build_id(), model.kv_type, model.n_gpu_layers,
              model.n_threads, "no-repack" if knobs().no_repack else "", f"n_batch={model.n_batch}"]
     if getattr(model, "rpc_servers", None):
         parts += ["rpc=" + ",".join(model.rpc_servers), "split=" + str(getattr(model, "tensor_split", None))]
