@@ -207,8 +207,7 @@ class Engine:
                 self.draft_drafter(GenConfig()).catch_up(prompt)
             else:
                 self.restore_draft_state(prompt)
-                if self.prompt_cache is not None and self.draft_kind == "same-vocab":
-                    self.prompt_cache.save_draft(self.draft, prompt, fill=True)
+                self.save_draft_state(prompt, fill=True)
                 self.draft.sync(prompt)
         return decoded
 
@@ -223,9 +222,11 @@ class Engine:
         split = pc.save_prefix(target, prompt) if pc is not None else 0
         logits = target.sync(prompt, copy=copy)
         cached = have if split else target.reused
-        # a restored state came from the disk, or, from a server's store, from its memory (ServerStates.last_source)
-        where = getattr(pc.store, "last_source", "") or "disk" if restored else ""
-        return logits, cached, (where if restored and cached else "memory" if cached else "")
+        if restored and cached:  # from the disk, or from a server's store's memory (ServerStates.last_source)
+            source = getattr(pc.store, "last_source", "") or "disk"
+        else:
+            source = "memory" if cached else ""
+        return logits, cached, source
 
     def restore_draft_state(self, prompt: Sequence[int]) -> None:
         """A draft model of the target's vocabulary: its longest stored prefix state of the prompt, where its cache
@@ -233,12 +234,12 @@ class Engine:
         if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
             self.prompt_cache.restore_draft(self.draft, prompt)
 
-    def save_draft_state(self, prompt: Sequence[int]) -> None:
+    def save_draft_state(self, prompt: Sequence[int], fill: bool = False) -> None:
         """After a request: the draft model's state at the prompt's save point, where the store has none and the
         draft's cache has caught up with that prefix (its cache is cut back to it: a chat's next turn decodes the rest
-        again, once per new prefix)."""
+        again, once per new prefix); `fill`: filled to there first (a reopened chat's prefill, PromptCache.save_draft)."""
         if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
-            self.prompt_cache.save_draft(self.draft, prompt)
+            self.prompt_cache.save_draft(self.draft, prompt, fill=fill)
 
     def raw_prompt(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)

@@ -241,7 +241,7 @@ class Generation:
         The step's cost: `share` seconds (a batch: this request's part of the step) plus what truncate returns (a
         batch: its replay's part of a later decode), or the time since t_start (the replay included)."""
         step, self.step = self.step, None
-        cfg, st, sp = self.cfg, self.stats, self.cfg.sampling
+        st, sp = self.stats, self.cfg.sampling
         drafter, k, proposal = step.drafter, step.k, step.proposal
         gamma = len(proposal.tokens)
         rows = rows[:gamma + 1]
@@ -272,7 +272,6 @@ class Generation:
         st.method_used[source or "none"] += 1
         st.k_used[k if drafter is not None else 0] += 1
         self.policy.observe(drafter, k, gamma, n_acc, step.t_draft, cost)
-        self._left_bit()
         self._take([(t, True) for t in proposal.tokens[:n_acc]] + [(nxt, False)], rows)
 
     def end(self, reason: str) -> None:
