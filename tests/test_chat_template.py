@@ -351,7 +351,7 @@ def test_the_server_keeps_request_strings_plain(target_path, where):
     from localspec.core.engine import Engine
     from localspec.server.app import chat_tokens
     from localspec.server.schemas import ChatRequest, chat_messages
-    from localspec.server.tools import check_tools
+    from localspec.server.tool_template import check_tools
 
     def body(text):
         msgs, tools = request(where, text)

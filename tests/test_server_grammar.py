@@ -355,7 +355,6 @@ def test_json_schema_without_additional_properties_gives_only_the_declared_keys(
 
 
 def test_tool_parameters_are_closed_at_every_level():
-    from localspec.server import tools as T
     from localspec.server import tool_grammar as TG
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {

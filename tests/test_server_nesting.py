@@ -9,7 +9,7 @@ import json
 import pytest
 
 from helpers import post
-from localspec.server.tools import parse
+from localspec.server.tool_calls import parse
 
 DEEP = 5000
 USER = {"role": "user", "content": "Weather?"}

@@ -92,7 +92,7 @@ def test_parameters_llguidance_cannot_enforce_are_a_400_naming_tools(open_api):
 def test_each_template_format_is_decoded_and_read_back(target_path, template, fmt):
     """The grammar for each format, run on the tiny model: what it writes is read back as the call by parse()."""
     from localspec.core.engine import Engine, GenConfig
-    from localspec.server import tools as T
+    from localspec.server.tool_calls import parse
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
@@ -106,7 +106,7 @@ def test_each_template_format_is_decoded_and_read_back(target_path, template, fm
             assert fin.finish_reason == "stop", fin.text
             if fmt == "hermes":
                 assert fin.text.startswith("<tool_call>\n{") and fin.text.endswith("}\n</tool_call>")
-            content, calls = T.parse(fin.text, {"get_weather", "get_time"})
+            content, calls = parse(fin.text, {"get_weather", "get_time"})
             assert calls and content == "", fin.text
             if choice is NAMED or fmt != "hermes":
                 assert len(calls) == 1
@@ -121,7 +121,6 @@ def test_auto_lets_the_model_write_until_it_starts_a_call_then_holds_the_call_to
     """tool_choice auto with a marker format (Hermes): a lazy grammar, free until `<tool_call>`, then the call;
     a rollback past the marker frees it again (speculation's look-ahead)."""
     from localspec.llama.model import Model
-    from localspec.server import tools as T
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
@@ -160,7 +159,6 @@ def test_auto_holds_a_call_written_as_json_once_it_names_a_tool(target_path, tex
     """With no marker to wait for, the lazy grammar starts where a fenced or bare call starts, once the call names
     one of the tools: from there only the call's JSON may follow; a rollback before the name frees it again."""
     from localspec.llama.model import Model
-    from localspec.server import tools as T
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
@@ -187,7 +185,6 @@ def test_auto_holds_a_call_written_as_json_once_it_names_a_tool(target_path, tex
 
 def test_auto_does_not_start_on_a_name_no_tool_has(target_path):
     from localspec.llama.model import Model
-    from localspec.server import tools as T
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Lazy
 
@@ -262,7 +259,7 @@ def test_defs_resolve_in_each_format_and_for_each_tool(target_path, template, fm
     """Each layout nests a function's parameters at another place in the call grammar; its `$ref`s follow them.
     Each tool is forced in turn, so both tools' own definitions are decoded."""
     from localspec.core.engine import Engine, GenConfig
-    from localspec.server import tools as T
+    from localspec.server.tool_calls import parse
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
@@ -275,7 +272,7 @@ def test_defs_resolve_in_each_format_and_for_each_tool(target_path, template, fm
                 fin = eng.complete(eng.raw_prompt("the cat"), GenConfig(method="lookup", max_tokens=200,
                                                                         constraint=Grammar(g, eng.target)))
                 assert fin.finish_reason == "stop", fin.text
-                content, calls = T.parse(fin.text, set(UNITS))
+                content, calls = parse(fin.text, set(UNITS))
                 assert len(calls) == 1 and content == "", fin.text
                 if isinstance(choice, dict):
                     assert calls[0].name == choice["function"]["name"]
@@ -288,7 +285,7 @@ def test_auto_holds_a_call_to_parameters_with_defs(target_path):
     """tool_choice auto (Hermes): the lazy grammar is built for `$defs` schemas too, and a call that follows the
     marker is decoded under them."""
     from localspec.core.engine import Engine, GenConfig
-    from localspec.server import tools as T
+    from localspec.server.tool_calls import parse
     from localspec.server import tool_grammar as TG
     from localspec.server.grammar import Grammar
 
@@ -304,7 +301,7 @@ def test_auto_holds_a_call_to_parameters_with_defs(target_path):
         finally:
             eng.close()
         assert re.match(trigger, fin.text), fin.text  # one of the call forms, from the first token
-        content, calls = T.parse(fin.text, set(UNITS))
+        content, calls = parse(fin.text, set(UNITS))
         assert calls and content == "", fin.text
         for call in calls:
             check_defs_call(call.name, json.loads(call.arguments))

@@ -12,7 +12,8 @@ import math
 import pytest
 
 from helpers import WRITTEN, Scripted, accepts
-from localspec.server.tools import ToolStream, parse
+from localspec.server.tool_calls import parse
+from localspec.server.tool_stream import ToolStream
 from tinymodels import TOOL_TEMPLATE
 
 NAMES = {"get_weather", "add"}
@@ -233,7 +234,7 @@ def test_a_streamed_answer_opens_with_the_role_and_empty_content(open_api, monke
 def test_a_template_without_tools_is_taught_them_and_shown_the_calls(open_api, monkeypatch):
     """The tiny model's ChatML prints no tools: they go into a system message with the Hermes format, the call
     turn and the result are written as Hermes text, and what the model writes is read back."""
-    from localspec.server.tools import TOOLS_PROMPT
+    from localspec.server.tool_template import TOOLS_PROMPT
 
     sc = Scripted(monkeypatch, open_api.session.engine, [WRITTEN["fenced"], "Sunny, 21 C."], template=None)
     c = open_api.client(max_retries=0)
@@ -592,7 +593,7 @@ def test_a_cut_answer_on_responses_keeps_its_whole_calls(open_api, monkeypatch):
 
 
 def test_which_calls_count_as_answered():
-    from localspec.server.tools import reading
+    from localspec.server.tool_calls import reading
 
     def turn(calls, results):
         return [{"role": "user", "content": "hi"},

@@ -26,7 +26,10 @@ import time
 from typing import Any, Optional
 
 from localspec.core.engine import Finished, Piece
-from localspec.server import tools as T
+from localspec.server.tool_calls import ToolCall, parse
+from localspec.server.tool_retry import Again
+from localspec.server.tool_stream import ToolStream, argument_pieces
+from localspec.server.tool_template import template_tool_calls
 from localspec.server.config import MAX_STOPS
 from localspec.server.openai import APIError, localspec_stats
 from localspec.server.schemas import Common
@@ -163,7 +166,7 @@ def messages_of(req: MessagesRequest) -> list[dict]:
                 args = b.get("input", {})
                 if not isinstance(args, dict):
                     raise APIError(400, f"{at}.input must be an object", param=f"{where}.content")
-                calls += T.template_tool_calls([{"id": b["id"], "type": "function", "function": {
+                calls += template_tool_calls([{"id": b["id"], "type": "function", "function": {
                     "name": b["name"], "arguments": json.dumps(args, ensure_ascii=False)}}], at)
                 names[b["id"]] = b["name"]
             elif kind == "tool_result" and role == "user":
@@ -290,11 +293,11 @@ def output_format(req: MessagesRequest) -> tuple[dict | None, str | None]:
 
 
 # ------------------------------------------------------------------ the answer
-def tool_use_id(call: T.ToolCall) -> str:
+def tool_use_id(call: ToolCall) -> str:
     return "toolu_" + call.id.removeprefix("call_")
 
 
-def tool_use(call: T.ToolCall, whole: bool = True) -> dict:
+def tool_use(call: ToolCall, whole: bool = True) -> dict:
     return {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
             "input": json.loads(call.arguments) if whole else {}}
 
@@ -338,7 +341,7 @@ def message(name: str, cid: str, content: list, reason, seq, use: dict) -> dict:
 def whole(name: str, req: MessagesRequest, names: set[str] | None, target):
     """The non-streamed answer; `names`: the tools' names (None: no tools), whose calls become tool_use blocks."""
     def build(cid, now, fin, cfg):
-        content, calls = T.parse(fin.text, names) if names is not None else (fin.text, [])
+        content, calls = parse(fin.text, names) if names is not None else (fin.text, [])
         blocks = [{"type": "text", "text": content}] if content or not calls else []
         blocks += [tool_use(c) for c in calls]
         reason, seq = stop_reason(fin, calls, req.stop_sequences, target)
@@ -389,9 +392,9 @@ def text_delta(out: list, text: str, index: int, text_open: bool) -> tuple[int, 
 async def stream(name: str, req: MessagesRequest, names: set[str] | None, target, job, ev, cfg, cid: str, now: int):
     """Anthropic's server-sent events for one generation. `ev` None: the stream opens before the first event (a
     ping every PING_S while the prompt is prefilled or the request waits in the queue). With tools (`names`), text
-    that may be a call is held back (tools.ToolStream): a text block opens with the first text; each call is sent
+    that may be a call is held back (tool_stream.ToolStream): a text block opens with the first text; each call is sent
     at the end as a tool_use block with its input in pieces."""
-    splitter = T.ToolStream(names) if names is not None else None
+    splitter = ToolStream(names) if names is not None else None
     index, text_open = -1, False
     last = time.monotonic()
     start = message(name, cid, [], None, None, {"input_tokens": job.n_prompt, "output_tokens": 0,
@@ -414,7 +417,7 @@ async def stream(name: str, req: MessagesRequest, names: set[str] | None, target
                 yield event("error", error=error_of(ev)["error"])
                 break
             out: list[bytes] = []
-            if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+            if isinstance(ev, Again):  # generated again: the echo held back is dropped, unsent
                 splitter.again()
             if isinstance(ev, Piece):
                 piece = ev.text if splitter is None else splitter.feed(ev.text)
@@ -436,7 +439,7 @@ async def stream(name: str, req: MessagesRequest, names: set[str] | None, target
                     out.append(event("content_block_start", index=index, content_block=tool_use(call, whole=False)))
                     out += [event("content_block_delta", index=index, delta={"type": "input_json_delta",
                                                                              "partial_json": piece})
-                            for piece in T.argument_pieces(call.arguments)]
+                            for piece in argument_pieces(call.arguments)]
                     out.append(event("content_block_stop", index=index))
                 reason, seq = stop_reason(ev, calls, req.stop_sequences, target)
                 out.append(event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},

@@ -36,7 +36,10 @@ from localspec.server import anthropic as A
 from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tool_grammar as TG
-from localspec.server import tools as T
+from localspec.server.tool_calls import answer_calls, finish_reason, reading
+from localspec.server.tool_retry import Again, Retry
+from localspec.server.tool_stream import ToolStream, call_deltas
+from localspec.server.tool_template import check_tools, for_template
 from localspec.server.config import ALIASES, ServerConfig
 from localspec.server.guard import LOCAL_ORIGIN, Gate, Guard, HostCheck, is_local_keyword
 from localspec.server.openai import APIError, error_body, invalid, localspec_stats, setting_error, sse, usage  # noqa: F401
@@ -184,10 +187,10 @@ class Generations:
         opens as soon as the request is queued, its first event None (the stream waits for it, and answers an error
         in its own events).
         `logprobs`: how the answer's logprobs are written (O.chat_logprobs, O.completion_logprobs), if asked for.
-        `constraint`: the grammar of a forced tool call (server/tools.py).
-        `again`: (the names the answer is read against (tools.reading), turn()): an answer that only echoes calls
+        `constraint`: the grammar of a forced tool call (server/tool_grammar.py).
+        `again`: (the names the answer is read against (tool_calls.reading), turn()): an answer that only echoes calls
         answered in this turn is generated once more as under tool_choice none, turn() giving that request's prompt
-        builder and grammar (tools.Retry), whole or streamed, each of n choices on its own."""
+        builder and grammar (tool_retry.Retry), whole or streamed, each of n choices on its own."""
         cfg = self.gen_config(req, constraint)
         tokens = await self.prompt(build, cfg)
         n = req.n or 1
@@ -199,7 +202,7 @@ class Generations:
         for job in jobs:
             self.worker.submit(job)
         if again is not None:  # the jobs' events, read through a second generation where one is needed
-            jobs = [T.Retry(job, again[0], lambda i=i: self._again(req, i, again[1])) for i, job in enumerate(jobs)]
+            jobs = [Retry(job, again[0], lambda i=i: self._again(req, i, again[1])) for i, job in enumerate(jobs)]
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         cid = uuid.uuid4().hex[:24]
         now = int(time.time())
@@ -242,7 +245,7 @@ class Generations:
                 if lp is not None:
                     body["choices"][0]["logprobs"] = lp.take()
                 if tools is not None:
-                    T.answer_calls(body, fin, tools)
+                    answer_calls(body, fin, tools)
                 bodies.append(body)
             body = bodies[0]
             if n > 1:  # one body: every choice, and the usage of all of them (the prompt counted once)
@@ -253,12 +256,12 @@ class Generations:
                 body["localspec"] = {**body["localspec"], "choices": [b["localspec"] for b in bodies]}
             return JSONResponse(body)
         if n == 1:
-            splitter = T.ToolStream(tools) if tools is not None else None
+            splitter = ToolStream(tools) if tools is not None else None
             body = (stream(jobs[0], firsts[0], cfg, cid, now) if stream is not None
                     else self.events(jobs[0], firsts[0], cfg, cid, now, chunk, include_usage, splitter, lps[0]))
         else:
             body = self._merged([self.events(job, first, c, cid, now, chunk, include_usage,
-                                             T.ToolStream(tools) if tools is not None else None, lp)
+                                             ToolStream(tools) if tools is not None else None, lp)
                                  for job, first, c, lp in zip(jobs, firsts, cfgs, lps)], include_usage)
         return StreamingResponse(body,
                                  media_type="text/event-stream",
@@ -271,14 +274,14 @@ class Generations:
                 return ev
             if lp is not None and isinstance(ev, Piece):
                 lp.add(ev)
-            if lp is not None and isinstance(ev, T.Again):  # the echo's tokens are no part of the answer
+            if lp is not None and isinstance(ev, Again):  # the echo's tokens are no part of the answer
                 lp.take()
             ev = await next_event(request, job)
         return ev
 
     async def _again(self, req: Common, i: int, turn):
         """Choice i generated once more as under tool_choice none (turn(): its prompt builder and grammar), its job
-        submitted (tools.Retry); None when it cannot be (a full queue, say): the first answer stands."""
+        submitted (tool_retry.Retry); None when it cannot be (a full queue, say): the first answer stands."""
         build, constraint = turn()
         try:
             cfg = self.choice_config(req, i, lambda: constraint)
@@ -330,7 +333,7 @@ class Generations:
                 t.cancel()
 
     async def events(self, job: Job, ev, cfg: GenConfig, cid: str, now: int, chunk, include_usage: bool,
-                     splitter: T.ToolStream | None = None, lp: O.Logprobs | None = None):
+                     splitter: ToolStream | None = None, lp: O.Logprobs | None = None):
         def with_logprobs(c: dict) -> dict:  # a chunk carries the logprobs of the tokens since the last one
             if lp is not None and lp.pending:
                 c["choices"][0]["logprobs"] = lp.take()
@@ -346,7 +349,7 @@ class Generations:
                 if isinstance(ev, APIError):  # a failed generation, or the server shutting down
                     yield sse(ev.body())
                     break
-                if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+                if isinstance(ev, Again):  # generated again: the echo held back is dropped, unsent
                     splitter.again()
                     if lp is not None:
                         lp.take()
@@ -369,10 +372,10 @@ class Generations:
                                 opened = True
                             yield sse(with_logprobs(chunk(cid, now, rest, None)))
                         for i, call in enumerate(calls):
-                            for delta in T.call_deltas(call, i, role=not opened):
+                            for delta in call_deltas(call, i, role=not opened):
                                 yield sse(O.chat_delta(self.name, cid, now, delta))
                             opened = True
-                        finish = T.finish_reason(finish, calls)
+                        finish = finish_reason(finish, calls)
                         if not opened:
                             yield sse(chunk(cid, now, None, None))
                     last = with_logprobs(chunk(cid, now, None, finish))  # (tokens whose text was held back)
@@ -459,7 +462,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         auto, a lazy one that holds a call to the tools' schemas once the model starts one, or, when the answer
         must otherwise be JSON (`output`: response_format's schema), one that takes a call or that JSON. None: the
         tools put none (response_format's own applies). `taught`: the model was told the Hermes format
-        (T.for_template)."""
+        (for_template)."""
         fmt = "hermes" if taught else None
         forced = TG.choice_grammar(tools, tool_choice, template_text(engine), parallel, fmt=fmt)
         if forced is not None:
@@ -473,7 +476,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         """turn() of Generations.run's `again`: the request as under tool_choice none (its prompt builder, and the
         grammar of its output format, if any)."""
         def turn():
-            shown, _ = T.for_template(msgs, None, template_of(engine))
+            shown, _ = for_template(msgs, None, template_of(engine))
             return (lambda eng: chat_tokens(eng, shown, None)), \
                 (Grammar(grammar, engine.target) if grammar is not None else None)
         return turn
@@ -481,10 +484,10 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         req = await parse_body(request, ChatRequest)
-        tools, names = T.check_tools(req.tools, req.tool_choice)
+        tools, names = check_tools(req.tools, req.tool_choice)
         msgs = given = chat_messages(req)
-        names = T.reading(names, msgs, req.parallel_tool_calls is not False, req.tool_choice)
-        msgs, taught = T.for_template(msgs, tools, template_of(engine))
+        names = reading(names, msgs, req.parallel_tool_calls is not False, req.tool_choice)
+        msgs, taught = for_template(msgs, tools, template_of(engine))
         output = schema_of(req.response_format) if tools is not None else None
         con = tool_constraint(tools, req.tool_choice, req.parallel_tool_calls is not False, output, taught)
         return await gens.run(request, req, lambda eng: chat_tokens(eng, msgs, tools),
@@ -509,9 +512,9 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         if req.max_output_tokens is not None:
             req.max_tokens = req.max_output_tokens
         tools, choice = R.chat_tools(req)
-        tools, names = T.check_tools(tools, choice)
-        names = T.reading(names, msgs, req.parallel_tool_calls is not False, choice)
-        msgs, taught = T.for_template(msgs, tools, template_of(engine))
+        tools, names = check_tools(tools, choice)
+        names = reading(names, msgs, req.parallel_tool_calls is not False, choice)
+        msgs, taught = for_template(msgs, tools, template_of(engine))
         output, grammar = R.output_format(req)
         con = tool_constraint(tools, choice, req.parallel_tool_calls is not False, output, taught) \
             if tools is not None else None
@@ -528,9 +531,9 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
         request, as chat's."""
         msgs = given = A.messages_of(req)
         tools, choice, parallel = A.chat_tools(req)
-        tools, names = T.check_tools(tools, choice)
-        names = T.reading(names, msgs, parallel, choice)
-        msgs, taught = T.for_template(msgs, tools, template_of(engine))
+        tools, names = check_tools(tools, choice)
+        names = reading(names, msgs, parallel, choice)
+        msgs, taught = for_template(msgs, tools, template_of(engine))
         con = json_grammar = None
         if grammar:  # tools and a JSON output format together: a call or that JSON, as on /v1/responses
             output, json_grammar = A.output_format(req)

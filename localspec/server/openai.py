@@ -97,7 +97,7 @@ usage = openai_usage
 
 
 def localspec_stats(stats, cfg) -> dict:
-    """The `localspec` object of a response; `retried`: why the answer was generated twice (server/tools.py Retry),
+    """The `localspec` object of a response; `retried`: why the answer was generated twice (server/tool_retry.py Retry),
     its figures those of both generations."""
     d = server_object(stats, cfg)
     if getattr(stats, "retried", None):

@@ -13,7 +13,10 @@ import json
 from typing import Any, Optional
 
 from localspec.core.engine import Finished, GenConfig, Piece
-from localspec.server import tools as T
+from localspec.server.tool_calls import ToolCall, parse
+from localspec.server.tool_retry import Again
+from localspec.server.tool_stream import ToolStream, argument_pieces
+from localspec.server.tool_template import template_tool_calls
 from localspec.server.openai import APIError, localspec_stats
 from localspec.server.schemas import Common
 
@@ -130,7 +133,7 @@ def messages_of(req: ResponsesRequest) -> list[dict]:
             if not (isinstance(item.get("name"), str) and isinstance(item.get("call_id"), str)):
                 raise APIError(400, f"{where}: a function_call needs name and call_id", param="input")
             args = item.get("arguments", "")
-            call = T.template_tool_calls([{"id": item["call_id"], "type": "function", "function": {
+            call = template_tool_calls([{"id": item["call_id"], "type": "function", "function": {
                 "name": item["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}], where)[0]
             names[item["call_id"]] = item["name"]
             if out and out[-1]["role"] == "assistant" and out[-1].get("from_input"):
@@ -171,7 +174,7 @@ def message_item(cid: str, text: str, status: str) -> dict:
             "content": [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": []}]}
 
 
-def call_item(call: T.ToolCall, status: str = "completed") -> dict:
+def call_item(call: ToolCall, status: str = "completed") -> dict:
     return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
             "name": call.name, "arguments": "" if status == "in_progress" else call.arguments, "status": status}
 
@@ -207,7 +210,7 @@ def whole(name: str, req: ResponsesRequest, names: set[str] | None = None):
     items."""
     def build(cid, now, fin, cfg):
         status = _status(fin)
-        content, calls = T.parse(fin.text, names) if names is not None else (fin.text, [])
+        content, calls = parse(fin.text, names) if names is not None else (fin.text, [])
         output = [message_item(cid, content, status)] if content or not calls else []
         output += [call_item(c) for c in calls]
         return response_object(name, cid, now, req, status, output, fin, cfg)
@@ -222,7 +225,7 @@ def event(kind: str, seq: int, **data) -> bytes:
 async def stream(name: str, req: ResponsesRequest, names: set[str] | None, job, ev, cfg: GenConfig, cid: str,
                  now: int):
     """The Responses API's server-sent events for one generation. With tools (`names`), text that may be a call is
-    held back (tools.ToolStream): the message item opens with the first text, and each call is sent at the end as
+    held back (tool_stream.ToolStream): the message item opens with the first text, and each call is sent at the end as
     a function_call item with its arguments in pieces."""
     seq = 0
 
@@ -231,7 +234,7 @@ async def stream(name: str, req: ResponsesRequest, names: set[str] | None, job, 
         seq += 1
         return event(kind, seq - 1, **data)
 
-    splitter = T.ToolStream(names) if names is not None else None
+    splitter = ToolStream(names) if names is not None else None
     where = {"item_id": f"msg_{cid}", "output_index": 0, "content_index": 0}
     text, opened = "", False
 
@@ -250,7 +253,7 @@ async def stream(name: str, req: ResponsesRequest, names: set[str] | None, job, 
             if isinstance(ev, APIError):
                 yield nxt("error", code=ev.code, message=ev.message, param=ev.param)
                 break
-            if isinstance(ev, T.Again):  # generated again: the echo held back is dropped, unsent
+            if isinstance(ev, Again):  # generated again: the echo held back is dropped, unsent
                 splitter.again()
             if isinstance(ev, Piece):
                 piece = ev.text if splitter is None else splitter.feed(ev.text)
@@ -288,7 +291,7 @@ async def stream(name: str, req: ResponsesRequest, names: set[str] | None, job, 
                     i = len(output)
                     item = call_item(call)
                     yield nxt("response.output_item.added", output_index=i, item=call_item(call, "in_progress"))
-                    for piece in T.argument_pieces(call.arguments):
+                    for piece in argument_pieces(call.arguments):
                         yield nxt("response.function_call_arguments.delta", item_id=item["id"], output_index=i,
                                   delta=piece)
                     yield nxt("response.function_call_arguments.done", item_id=item["id"], output_index=i,

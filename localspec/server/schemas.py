@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from localspec.server.config import MAX_STOPS
 from localspec.server.openai import MAX_DEPTH, APIError, invalid, too_deep
-from localspec.server.tools import template_tool_calls
+from localspec.server.tool_template import template_tool_calls
 
 
 class _Body(BaseModel):
@@ -52,13 +52,13 @@ class Common(_Body):
 class ChatMessage(_Body):
     role: str
     content: Any = None  # str, a list of text parts, or null (an assistant turn with tool calls)
-    tool_calls: Any = None  # an assistant turn's calls (server/tools.py checks them)
+    tool_calls: Any = None  # an assistant turn's calls (server/tool_template.py checks them)
     tool_call_id: Optional[str] = None  # a tool result's call
 
 
 class ChatRequest(Common):
     messages: list[ChatMessage]
-    tools: Any = None  # checked by server/tools.py
+    tools: Any = None  # checked by server/tool_template.py
     tool_choice: Any = None
     parallel_tool_calls: Optional[bool] = None  # false: a forced call (tool_choice required) is one call
     logprobs: Optional[bool] = None

@@ -9,7 +9,7 @@ import json
 import re
 
 from localspec.server.openai import APIError
-from localspec.server.tools import HERMES_CLOSE, HERMES_OPEN, MISTRAL, PYTHON_TAG
+from localspec.server.tool_calls import HERMES_CLOSE, HERMES_OPEN, MISTRAL, PYTHON_TAG
 
 
 # ------------------------------------------------------------------ forced calls (tool_choice required / named)
