@@ -164,7 +164,7 @@ def test_json_rate_is_a_number_even_for_a_fast_answer():
     from types import SimpleNamespace
 
     from localspec.cli.render import result_json
-    from localspec.server.app import localspec_stats
+    from localspec.server.openai import localspec_stats
     from localspec.core.stats import Stats
     from localspec.core.engine import GenConfig
 

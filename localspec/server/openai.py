@@ -147,7 +147,7 @@ def completion_whole(name: str, cid: str, now: int, fin, cfg) -> dict:
             "usage": usage(fin.stats), "localspec": localspec_stats(fin.stats, cfg)}
 
 
-# ----------------------------------------------------------------- logprobs (records: app.Generations.record)
+# ----------------------------------------------------------------- logprobs (gathered as the events come: Logprobs)
 def _top_entry(r: dict) -> dict:
     return {"token": r["token"], "logprob": r["logprob"], "bytes": r["bytes"]}
 
