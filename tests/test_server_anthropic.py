@@ -353,7 +353,7 @@ def test_other_refusals_are_in_anthropics_shape(open_api):
 
 
 def test_a_full_queue_is_overloaded_529():
-    from localspec.server.anthropic import reshape
+    from localspec.server.anthropic_errors import reshape
 
     raw = json.dumps({"error": {"message": "server busy", "type": "server_error", "code": "queue_full"}}).encode()
     assert reshape(503, raw) == (529, {"type": "error", "error": {"type": "overloaded_error",

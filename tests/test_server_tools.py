@@ -547,7 +547,7 @@ def test_an_echo_on_messages_is_generated_again(open_api, monkeypatch):
 def test_a_streamed_message_generated_again_after_pings_loses_nothing(open_api, monkeypatch):
     import time
 
-    from localspec.server import anthropic as A
+    from localspec.server import anthropic_answer as AA
 
     sc = Scripted(monkeypatch, open_api.session.engine, [ECHO["hermes"], ANSWER])
     scripted = sc.generate
@@ -557,7 +557,7 @@ def test_a_streamed_message_generated_again_after_pings_loses_nothing(open_api, 
         yield from scripted(*a, **kw)
 
     monkeypatch.setattr(open_api.session.engine, "generate", slow)
-    monkeypatch.setattr(A, "PING_S", 0.05)
+    monkeypatch.setattr(AA, "PING_S", 0.05)
     events = sse(open_api, "/v1/messages", {"model": "x", "max_tokens": 100, "tools": [{
         "name": "get_weather", "input_schema": TOOLS[0]["function"]["parameters"]}], "messages": [
         {"role": "user", "content": "Weather in Paris?"},

@@ -8,10 +8,10 @@ streamed as server-sent events server/streaming.py.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (streamed as server-sent events or not), GET /v1/models,
 POST /v1/responses (server/responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
-API: server/anthropic.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py). Any model
-name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects {"error":
-{"message", "type", "param", "code"}} (Anthropic's shape under /v1/messages), never a traceback, and name the
-request's JSON fields. Starting and stopping the server: server/main.py.
+API: server/anthropic_request.py), GET /v1/models/{id}, GET /health, GET /metrics (Prometheus; server/metrics.py).
+Any model name is served by the loaded pair (ServerConfig.strict_model: 404). Errors are OpenAI-style objects
+{"error": {"message", "type", "param", "code"}} (Anthropic's shape under /v1/messages), never a traceback, and name
+the request's JSON fields. Starting and stopping the server: server/main.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from starlette.middleware.cors import CORSMiddleware
 
 from localspec import session as S
 from localspec.errors import LocalspecError, UsageError
-from localspec.server import anthropic as A
+from localspec.server import anthropic_answer as AA
+from localspec.server import anthropic_errors as AE
+from localspec.server import anthropic_request as AR
 from localspec.server import openai as O
 from localspec.server import responses as R
 from localspec.server import tool_grammar as TG
@@ -102,7 +104,7 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
                            allow_origin_regex=LOCAL_ORIGIN if local else None, allow_methods=["GET", "POST"],
                            allow_headers=["*"], expose_headers=["Retry-After", "X-Request-Id"], max_age=600)
     app.add_middleware(Gate, host_ok=HostCheck(cfg.host, cfg.allowed_hosts or ()), cors_origins=cfg.cors_origins)
-    app.add_middleware(A.AnthropicErrors)  # outermost: refusals of every layer in Anthropic's shape there
+    app.add_middleware(AE.AnthropicErrors)  # outermost: refusals of every layer in Anthropic's shape there
     app.state.worker = worker
     app.state.model = name
     app.state.metrics = gens.metrics
@@ -125,8 +127,8 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
     @app.exception_handler(Exception)
     async def _crash(request, exc: Exception):  # logged by the server; the client gets one line
         err = APIError(500, f"internal error: {type(exc).__name__}")
-        if request.url.path.startswith(A.PATH):  # answered outside the middleware that reshapes the others
-            return JSONResponse(A.error_of(err), status_code=500)
+        if request.url.path.startswith(AE.PATH):  # answered outside the middleware that reshapes the others
+            return JSONResponse(AE.error_of(err), status_code=500)
         return err.response()
 
     # ------------------------------------------------------------ endpoints
@@ -199,17 +201,17 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
                               constraint=con,
                               again=(names, without_tools(given, grammar)) if found is not None else None)
 
-    def anthropic_request(req: A.MessagesRequest, grammar: bool = True):
+    def anthropic_request(req: AR.MessagesRequest, grammar: bool = True):
         """(prompt builder, the tools' names or None, the tool grammar, Generations.run's `again`) of a Messages
         request, as chat's."""
-        msgs = given = A.messages_of(req)
-        tools, choice, parallel = A.chat_tools(req)
+        msgs = given = AR.messages_of(req)
+        tools, choice, parallel = AR.chat_tools(req)
         tools, names = check_tools(tools, choice)
         names = reading(names, msgs, parallel, choice)
         msgs, taught = for_template(msgs, tools, template_of(engine))
         con = json_grammar = None
         if grammar:  # tools and a JSON output format together: a call or that JSON, as on /v1/responses
-            output, json_grammar = A.output_format(req)
+            output, json_grammar = AR.output_format(req)
             con = tool_constraint(tools, choice, parallel, output, taught) if tools is not None else None
             if con is None and json_grammar is not None:
                 con = Grammar(json_grammar, engine.target)
@@ -218,15 +220,15 @@ def create_app(session, config: ServerConfig | None = None, *, api_key: str | No
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        req = await parse_body(request, A.MessagesRequest)
+        req = await parse_body(request, AR.MessagesRequest)
         build, found, con, again = anthropic_request(req)
-        return await gens.run(request, req, build, None, A.whole(name, req, found, engine.target),
-                              stream=lambda *a: A.stream(name, req, found, engine.target, *a), constraint=con,
+        return await gens.run(request, req, build, None, AA.whole(name, req, found, engine.target),
+                              stream=lambda *a: AA.stream(name, req, found, engine.target, *a), constraint=con,
                               early=True, again=again)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        req = await parse_body(request, A.MessagesRequest)
+        req = await parse_body(request, AR.MessagesRequest)
         if req.max_tokens is None:
             req.max_tokens = 1  # count_tokens takes none
         build = anthropic_request(req, grammar=False)[0]

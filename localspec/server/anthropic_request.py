@@ -1,41 +1,27 @@
-"""`POST /v1/messages` and `POST /v1/messages/count_tokens`: Anthropic's Messages API as the `anthropic` package and
-Claude Code send it, over the same generation as the OpenAI endpoints.
+"""`POST /v1/messages` and `POST /v1/messages/count_tokens` read: Anthropic's Messages API as the `anthropic`
+package and Claude Code send it, read into the chat request's form, so that it runs on the same generation as the
+OpenAI endpoints.
 
 A request is read into chat's form (`messages_of`, `chat_tools`): `system` (a string or text blocks) is the system
 message; a user turn's `tool_result` blocks are tool messages (in order, before the turn's text), an assistant
 turn's `tool_use` blocks its `tool_calls` (the input as the arguments object); `thinking` and `redacted_thinking`
 blocks a client sends back are dropped; images and documents are a 400. `tool_choice` any is chat's required, a
 named tool is a named function, `disable_parallel_tool_use` is parallel_tool_calls false; `stop_sequences` are the
-stop strings. From there it is the chat request's path: tools, grammars, speculation, batching, cancellation,
-metrics and the guard.
-
-The answer's `content` is a text block and the calls as `tool_use` blocks (`input` an object, ids `toolu_...`);
-`stop_reason` end_turn, max_tokens, stop_sequence (with the string) or tool_use; `usage` counts the prompt tokens
-decoded (`input_tokens`) apart from those reused from the KV cache (`cache_read_input_tokens`), as Anthropic counts
-a cache read; localspec's speculation figures sit beside it (`localspec`). Streamed with Anthropic's events
-(message_start, ping, content_block_start / _delta / _stop, message_delta, message_stop); the stream opens at once
-and pings while the prompt is prefilled, so a client's read timeout does not end a long first request. Errors are
-Anthropic's `{"type": "error", "error": {"type", "message"}}` (`AnthropicErrors`), mid-stream an `error` event."""
+stop strings; `output_config.format` is the answer's JSON Schema (`output_format`). From there it is the chat
+request's path: tools, grammars, speculation, batching, cancellation, metrics and the guard. The answer:
+server/anthropic_answer.py; errors in Anthropic's shape: server/anthropic_errors.py."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
-import time
 from typing import Any, Optional
 
-from localspec.core.engine import Finished, Piece
-from localspec.server.tool_calls import ToolCall, parse
-from localspec.server.tool_retry import Again
-from localspec.server.tool_stream import ToolStream, argument_pieces
-from localspec.server.tool_template import template_tool_calls
 from localspec.server.config import MAX_STOPS
-from localspec.server.openai import APIError, localspec_stats
+from localspec.server.openai import APIError
 from localspec.server.schemas import Common
+from localspec.server.tool_template import template_tool_calls
 
-PATH = "/v1/messages"  # the endpoint and count_tokens under it: errors there are in Anthropic's shape
-PING_S = 10.0  # a ping after this long without an event: the stream stays open through a long prefill
 DROPPED = ("thinking", "redacted_thinking")  # blocks a client sends back that say nothing to this model
 NOT_TEXT = ("image", "document")
 
@@ -290,225 +276,3 @@ def output_format(req: MessagesRequest) -> tuple[dict | None, str | None]:
     if not (isinstance(fmt, dict) and fmt.get("type") == "json_schema" and isinstance(fmt.get("schema"), dict)):
         raise APIError(400, f"{where} must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", param=where)
     return usable_schema(closed(fmt["schema"]), where, where)
-
-
-# ------------------------------------------------------------------ the answer
-def tool_use_id(call: ToolCall) -> str:
-    return "toolu_" + call.id.removeprefix("call_")
-
-
-def tool_use(call: ToolCall, whole: bool = True) -> dict:
-    return {"type": "tool_use", "id": tool_use_id(call), "name": call.name,
-            "input": json.loads(call.arguments) if whole else {}}
-
-
-def usage(stats) -> dict:
-    """Anthropic's usage: input_tokens are the prompt tokens decoded, cache reads the ones reused (their sum is the
-    prompt)."""
-    cached = min(stats.cached_prompt_tokens or 0, stats.prompt_tokens)
-    return {"input_tokens": stats.prompt_tokens - cached, "output_tokens": stats.completion_tokens,
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
-
-
-def matched_stop(fin: Finished, stops, target) -> str | None:
-    """The stop sequence that ended the answer (None: it ended otherwise). The text stops where the string began;
-    the tokens' own text goes on with it."""
-    if fin.finish_reason != "stop" or not stops or not fin.tokens:
-        return None
-    full = b"".join(target.piece(int(t)) for t in fin.tokens).decode("utf-8", "replace")
-    if not full.startswith(fin.text):
-        return None
-    rest = full[len(fin.text):]
-    return next((s for s in stops if s and rest.startswith(s)), None)
-
-
-def stop_reason(fin: Finished, calls: list, stops, target) -> tuple[str, str | None]:
-    """(stop_reason, stop_sequence). Cut by the token limit it is max_tokens even after whole calls (they come
-    back; one cut off does not), as chat's finish_reason stays length."""
-    if fin.finish_reason == "length":
-        return "max_tokens", None
-    if calls:
-        return "tool_use", None
-    seq = matched_stop(fin, stops, target)
-    return ("stop_sequence", seq) if seq is not None else ("end_turn", None)
-
-
-def message(name: str, cid: str, content: list, reason, seq, use: dict) -> dict:
-    return {"id": f"msg_{cid}", "type": "message", "role": "assistant", "model": name, "content": content,
-            "stop_reason": reason, "stop_sequence": seq, "usage": use}
-
-
-def whole(name: str, req: MessagesRequest, names: set[str] | None, target):
-    """The non-streamed answer; `names`: the tools' names (None: no tools), whose calls become tool_use blocks."""
-    def build(cid, now, fin, cfg):
-        content, calls = parse(fin.text, names) if names is not None else (fin.text, [])
-        blocks = [{"type": "text", "text": content}] if content or not calls else []
-        blocks += [tool_use(c) for c in calls]
-        reason, seq = stop_reason(fin, calls, req.stop_sequences, target)
-        body = message(name, cid, blocks, reason, seq, usage(fin.stats))
-        body["localspec"] = localspec_stats(fin.stats, cfg)
-        return body
-    return build
-
-
-def event(kind: str, **data) -> bytes:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, separators=(',', ':'))}\n\n".encode()
-
-
-def error_type(status: int) -> str:
-    return {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-            404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-            529: "overloaded_error"}.get(status, "api_error" if status >= 500 else "invalid_request_error")
-
-
-def anthropic_status(status: int) -> int:
-    """Anthropic's status for one of ours: a full queue or a server shutting down is 529 (overloaded), a body of
-    another type 400."""
-    if status == 503:
-        return 529
-    return 400 if status in (415, 422) else status
-
-
-def worded(message: str, param) -> str:
-    """An error's message naming the field it is about (Anthropic's errors have no `param`)."""
-    return message if not isinstance(param, str) or param in message else f"{param}: {message}"
-
-
-def error_of(err: APIError) -> dict:
-    status = anthropic_status(err.status)
-    return {"type": "error", "error": {"type": error_type(status), "message": worded(err.message, err.param)}}
-
-
-def text_delta(out: list, text: str, index: int, text_open: bool) -> tuple[int, bool]:
-    """Append `text` to a stream's events as a text delta, opening a text block first where none is open; returns the
-    block index and whether a text block is open."""
-    if not text_open:
-        index, text_open = index + 1, True
-        out.append(event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
-    out.append(event("content_block_delta", index=index, delta={"type": "text_delta", "text": text}))
-    return index, text_open
-
-
-async def stream(name: str, req: MessagesRequest, names: set[str] | None, target, job, ev, cfg, cid: str, now: int):
-    """Anthropic's server-sent events for one generation. `ev` None: the stream opens before the first event (a
-    ping every PING_S while the prompt is prefilled or the request waits in the queue). With tools (`names`), text
-    that may be a call is held back (tool_stream.ToolStream): a text block opens with the first text; each call is sent
-    at the end as a tool_use block with its input in pieces."""
-    splitter = ToolStream(names) if names is not None else None
-    index, text_open = -1, False
-    last = time.monotonic()
-    start = message(name, cid, [], None, None, {"input_tokens": job.n_prompt, "output_tokens": 0,
-                                                "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0})
-    getter = None
-    try:
-        yield event("message_start", message=start)
-        yield event("ping")
-        while True:
-            if ev is None:
-                if getter is None:  # one read at a time: a read left waiting through a ping takes the next event
-                    getter = asyncio.ensure_future(job.events.get())
-                done, _ = await asyncio.wait({getter}, timeout=PING_S)
-                if not done:
-                    yield event("ping")
-                    last = time.monotonic()
-                    continue
-                ev, getter = getter.result(), None
-            if isinstance(ev, APIError):
-                yield event("error", error=error_of(ev)["error"])
-                break
-            out: list[bytes] = []
-            if isinstance(ev, Again):  # generated again: the echo held back is dropped, unsent
-                splitter.again()
-            if isinstance(ev, Piece):
-                piece = ev.text if splitter is None else splitter.feed(ev.text)
-                if piece:
-                    index, text_open = text_delta(out, piece, index, text_open)
-            elif isinstance(ev, Finished):
-                calls: list = []
-                if splitter is not None:
-                    rest, calls = splitter.end()
-                    if rest:
-                        index, text_open = text_delta(out, rest, index, text_open)
-                if not text_open and not calls:  # an empty answer: an empty text block, as when whole
-                    index, text_open = index + 1, True
-                    out.append(event("content_block_start", index=index, content_block={"type": "text", "text": ""}))
-                if text_open:
-                    out.append(event("content_block_stop", index=index))
-                for call in calls:
-                    index += 1
-                    out.append(event("content_block_start", index=index, content_block=tool_use(call, whole=False)))
-                    out += [event("content_block_delta", index=index, delta={"type": "input_json_delta",
-                                                                             "partial_json": piece})
-                            for piece in argument_pieces(call.arguments)]
-                    out.append(event("content_block_stop", index=index))
-                reason, seq = stop_reason(ev, calls, req.stop_sequences, target)
-                out.append(event("message_delta", delta={"stop_reason": reason, "stop_sequence": seq},
-                                 usage=usage(ev.stats), localspec=localspec_stats(ev.stats, cfg)))
-                out.append(event("message_stop"))
-                for e in out:
-                    yield e
-                break
-            if not out and time.monotonic() - last >= PING_S:  # text held back (a long call): keep the line alive
-                out.append(event("ping"))
-            for e in out:
-                yield e
-            if out:
-                last = time.monotonic()
-            ev = None
-    finally:
-        if getter is not None and not getter.done():
-            getter.cancel()
-        job.cancel.set()  # a no-op once finished; stops the generation when the client went away
-
-
-# ------------------------------------------------------------------ errors in Anthropic's shape
-class AnthropicErrors:
-    """ASGI middleware: under /v1/messages, an error response (status 400 and up, an OpenAI-style body from any
-    layer: the guard, a route, the queue) is sent as Anthropic's `{"type": "error", "error": {"type", "message"},
-    "request_id"}`, with Anthropic's status (anthropic_status)."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not (scope["path"] == PATH or scope["path"].startswith(PATH + "/")):
-            return await self.app(scope, receive, send)
-        start: dict | None = None
-        chunks: list[bytes] = []
-
-        async def wrapped(message) -> None:
-            nonlocal start
-            if message["type"] == "http.response.start" and message["status"] >= 400:
-                start = message
-                return
-            if start is None or message["type"] != "http.response.body":
-                return await send(message)
-            chunks.append(message.get("body", b""))
-            if message.get("more_body", False):
-                return
-            headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
-                                                                                         b"content-type")]
-            rid = next((v.decode("latin-1") for k, v in headers if k.lower() == b"x-request-id"), None)
-            status, data = reshape(start["status"], b"".join(chunks))
-            if rid is not None:
-                data["request_id"] = rid
-            body = json.dumps(data).encode()
-            headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        await self.app(scope, receive, wrapped)
-
-
-def reshape(status: int, raw: bytes) -> tuple[int, dict]:
-    """(Anthropic's status, its error body) for an error response of ours."""
-    try:
-        err = json.loads(raw).get("error") or {}
-    except (ValueError, AttributeError):
-        err = {}
-    message = err.get("message") if isinstance(err, dict) else None
-    if not isinstance(message, str):
-        message = raw.decode("utf-8", "replace").strip() or f"HTTP {status}"
-    param = err.get("param") if isinstance(err, dict) else None
-    new = anthropic_status(status)
-    return new, {"type": "error", "error": {"type": error_type(new), "message": worded(message, param)}}
