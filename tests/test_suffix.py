@@ -17,6 +17,7 @@ import pytest
 from conftest import PROMPTS
 from helpers import assert_same_distribution, second_tokens
 from localspec.drafters import suffix as S
+from localspec.drafters import suffix_index as SI
 from localspec.store import suffixcache as SC
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,21 +49,21 @@ def doc(i, tokens, t=None):
 def test_the_index_finds_every_earlier_occurrence_built_at_once_or_token_by_token():
     for trial in range(60):
         r = random.Random(trial)
-        toks = [S.SEP if r.random() < 0.05 else r.randrange(5) for _ in range(r.randrange(1, 300))]
+        toks = [SI.SEP if r.random() < 0.05 else r.randrange(5) for _ in range(r.randrange(1, 300))]
         cut = r.randrange(0, len(toks) + 1)
-        built = S.NgramIndex(toks[:cut])
+        built = SI.NgramIndex(toks[:cut])
         built.extend(toks[cut:])
-        stepped = S.NgramIndex()
+        stepped = SI.NgramIndex()
         stepped.extend(toks)
-        for n in S.KEYS:
+        for n in SI.KEYS:
             want: dict[tuple, list[int]] = {}
             for e in range(n, len(toks)):
                 g = tuple(toks[e - n:e])
-                if S.SEP not in g and toks[e] != S.SEP:
+                if SI.SEP not in g and toks[e] != SI.SEP:
                     want.setdefault(g, []).append(e)
             for g, es in want.items():
-                assert list(built.chain(n, S.gram_key(g), 10**9)) == es[::-1]
-                assert list(stepped.chain(n, S.gram_key(g), 10**9)) == es[::-1]
+                assert list(built.chain(n, SI.gram_key(g), 10**9)) == es[::-1]
+                assert list(stepped.chain(n, SI.gram_key(g), 10**9)) == es[::-1]
 
 
 def test_the_proposal_follows_the_majority_and_stops_where_earlier_answers_split():
