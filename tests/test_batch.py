@@ -29,7 +29,7 @@ def test_the_probe_sees_a_longer_cache_beside_a_row_change_it(engine):
     must be what a direct decode shows, on any CPU."""
     import numpy as np
 
-    from localspec.core.exactness import probe_lengths
+    from localspec.core.batch_probe import probe_lengths
     from localspec.llama.multiseq import MultiSeq
 
     ms = MultiSeq(engine.target, 2)
@@ -309,7 +309,7 @@ def test_a_recurrent_target_that_cannot_roll_back_is_refused_so_serve_keeps_one_
 def inexact_at_full_batch(self):
     """The probe's verdict on a 2-core CPU with repacked Q4_K weights: 2 and 3 requests x 1 row share a pass
     bit-identically, 4 x 1 does not."""
-    from localspec.core.exactness import ProbeResult
+    from localspec.core.batch_probe import ProbeResult
 
     return ProbeResult(False, "passes of 4 x 1 rows (requests x rows each) are not bit-identical to one-token "
                        "decoding", {(2, 1): True, (3, 1): True, (4, 1): False}, {}, blanket=False)
@@ -425,6 +425,7 @@ def test_the_probe_is_cached_per_model_file_and_llama_cpp_build(target_path, tmp
     import shutil
 
     from localspec.core import exactness as X
+    from localspec.core import probe_memo
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     model = tmp_path / "m.gguf"
@@ -449,10 +450,10 @@ def test_the_probe_is_cached_per_model_file_and_llama_cpp_build(target_path, tmp
     cached, again = probed()
     assert cached and again == first and len(probes) == 1  # from the cache, the same findings
     assert not probed(3)[0] and len(probes) == 2  # other batch settings: their own verdict
-    build = X._build
-    monkeypatch.setattr(X, "_build", lambda: build() + "-rebuilt")
+    build = probe_memo.this_build
+    monkeypatch.setattr(probe_memo, "this_build", lambda: build() + "-rebuilt")
     assert not probed()[0] and len(probes) == 3
-    monkeypatch.setattr(X, "_build", build)
+    monkeypatch.setattr(probe_memo, "this_build", build)
     st = os.stat(model)
     os.utime(model, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # the model file replaced
     assert not probed()[0] and len(probes) == 4

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import PROMPTS
 from helpers import alone, gen_config
+from localspec.core import batch_probe as BP
 from localspec.core import exactness as X
 from localspec.core.batch import BatchEngine
 
@@ -16,7 +17,7 @@ N = 40
 def every_batch_exact(engine, monkeypatch):
     """A machine where every verify batch and every probed pass shape is bit-identical (an F16 model on a CPU)."""
     monkeypatch.setattr(X, "max_exact_batch", lambda model, upto, cancel=None: upto)
-    monkeypatch.setattr(X, "probe_batch", lambda ms, target, n, most: X.ProbeResult(
+    monkeypatch.setattr(BP, "probe_batch", lambda ms, target, n, most: BP.ProbeResult(
         True, f"a row's logits are bit-identical with up to {n} requests x {most} rows in its forward pass"))
     monkeypatch.setattr(engine, "_probe", None)
     monkeypatch.setenv("LOCALSPEC_NO_COST_CALIBRATION", "1")

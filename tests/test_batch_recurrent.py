@@ -14,7 +14,7 @@ from conftest import PROMPTS, RECURRENT_CTX as CTX
 from helpers import alone, gen_config, recording_decodes
 from localspec.core.batch import BatchEngine
 from localspec.core.engine import Engine
-from localspec.core.exactness import one_token_rows
+from localspec.core.batch_probe import one_token_rows
 from localspec.llama.lib import ll
 from localspec.llama.model import Model
 from localspec.llama.multiseq import MultiSeq, split_equal

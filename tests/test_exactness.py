@@ -7,27 +7,28 @@ import pytest
 
 def test_verify_costs_are_measured_once_and_cached(target_path, tmp_path, monkeypatch):
     from localspec.core import exactness as X
+    from localspec.core import verify_cost as V
     from localspec.llama.model import Model
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     with Model(target_path, n_ctx=512) as m:
-        r = X.verify_costs(m, 5)
-        assert sorted(r) == list(range(1, X.COST_MIN_UPTO + 1)) and r[1] == 1.0
+        r = V.verify_costs(m, 5)
+        assert sorted(r) == list(range(1, V.COST_MIN_UPTO + 1)) and r[1] == 1.0
         assert all(v > 0 for v in r.values())
-        monkeypatch.setattr(X, "_measure_costs", lambda *a: pytest.fail("measured again"))
-        assert X.verify_costs(m, 9) == r  # cached
+        monkeypatch.setattr(V, "_measure_costs", lambda *a: pytest.fail("measured again"))
+        assert V.verify_costs(m, 9) == r  # cached
         assert not [p for p in X.cached_probes() if "ratio" in p]  # doctor's probe list is not confused by it
 
 
 def test_the_engine_reads_the_calibration_once(target_path, tmp_path, monkeypatch):
     """make_policy runs for every answer: the calibration is read from the cache file once per engine, not each time."""
-    from localspec.core import exactness as X
+    from localspec.core import verify_cost as V
     from localspec.core.engine import Engine, GenConfig
     from localspec.core.policy import repeat_k
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     calls = []
-    real = X.verify_costs
-    monkeypatch.setattr(X, "verify_costs", lambda m, upto: calls.append(upto) or real(m, upto))
+    real = V.verify_costs
+    monkeypatch.setattr(V, "verify_costs", lambda m, upto: calls.append(upto) or real(m, upto))
     e = Engine.load(target_path, n_ctx=512)
     try:
         for _ in range(3):
@@ -58,6 +59,7 @@ def test_one_exactness_probe_per_model(target_path, monkeypatch):
 def test_the_probe_is_cancellable(target_path, tmp_path, monkeypatch):
     """A set cancel event stops the probe between decodes: nothing is cached, the generation ends "cancelled"."""
     import localspec.core.exactness as ex
+    from localspec.core import probe_memo as M
     from localspec.core.engine import Engine, GenConfig
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
@@ -76,7 +78,7 @@ def test_the_probe_is_cancellable(target_path, tmp_path, monkeypatch):
         monkeypatch.setattr(e.target, "decode", counting)
         with pytest.raises(ex.ProbeCancelled):
             ex.max_exact_batch(e.target, 9, cancel=ev)
-        assert len(decodes) < 6 and not (tmp_path / ex.CACHE_FILE).exists()
+        assert len(decodes) < 6 and not (tmp_path / M.CACHE_FILE).exists()
         decodes.clear()
         ev.clear()
         fin = None
@@ -96,7 +98,7 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
     on. On a fake clock whose first 15 decodes run 1.5x slower, the ratios must come out right."""
     from types import SimpleNamespace
 
-    from localspec.core import exactness as X
+    from localspec.core import verify_cost as V
 
     cost = {b: 1.0 + 0.5 * (b - 1) for b in range(1, 65)}  # the machine's true T(b)/T(1)
     clock = [0.0]
@@ -119,8 +121,8 @@ def test_the_calibration_is_not_skewed_by_a_slow_first_moment(monkeypatch):
         def truncate(self, n):
             self.tokens = self.tokens[:n]
 
-    monkeypatch.setattr(X, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    ratio = X._measure_costs(Drifting(), 9)
+    monkeypatch.setattr(V, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    ratio = V._measure_costs(Drifting(), 9)
     assert ratio == pytest.approx({b: cost[b] for b in range(1, 10)}, rel=0.02)
 
 
@@ -130,7 +132,8 @@ def test_a_calibration_taken_on_a_busy_machine_is_measured_again(target_path, tm
     was disturbed. Cached as it was, it priced every verify out for good and `auto` never drafted again on that model.
     It is measured again (up to COST_TRIES times); one cached from before is measured again when read; where every try
     was disturbed, the least disturbed one is used clipped to b, and measured again once COST_RETRY_S have passed."""
-    from localspec.core import exactness as X
+    from localspec.core import probe_memo as M
+    from localspec.core import verify_cost as V
     from localspec.llama.model import Model
     from localspec.store.cachefile import read_json, update_json
 
@@ -139,33 +142,33 @@ def test_a_calibration_taken_on_a_busy_machine_is_measured_again(target_path, tm
     busier = {b: 2 * v for b, v in busy.items() if b > 1} | {1: 1.0}
     quiet = {b: 1.0 + 0.6 * (b - 1) for b in range(1, 10)}
     now = [1000.0]
-    monkeypatch.setattr(X, "_now", lambda: now[0])
+    monkeypatch.setattr(V, "_now", lambda: now[0])
     with Model(target_path, n_ctx=512) as m:
         readings = [dict(busy), dict(quiet)]
-        monkeypatch.setattr(X, "_measure_costs", lambda mm, upto: readings.pop(0))
-        assert X.verify_costs(m, 9) == quiet and not readings  # the busy reading was measured again at once
+        monkeypatch.setattr(V, "_measure_costs", lambda mm, upto: readings.pop(0))
+        assert V.verify_costs(m, 9) == quiet and not readings  # the busy reading was measured again at once
 
-        key = next(k for k in read_json(X.CACHE_FILE) if k.startswith(X.COST_KEY))
-        update_json(X.CACHE_FILE, lambda db: db[key].update(ratio={str(b): v for b, v in busy.items()}))
+        key = next(k for k in read_json(M.CACHE_FILE) if k.startswith(M.COST_KEY))
+        update_json(M.CACHE_FILE, lambda db: db[key].update(ratio={str(b): v for b, v in busy.items()}))
         readings = [dict(quiet)]
-        assert X.verify_costs(m, 9) == quiet and not readings  # cached from before: measured again when read
+        assert V.verify_costs(m, 9) == quiet and not readings  # cached from before: measured again when read
 
-        update_json(X.CACHE_FILE, lambda db: db.pop(key))
-        readings = [dict(busier)] + [dict(busy)] * (X.COST_TRIES - 1)
-        clipped = X.verify_costs(m, 9)
+        update_json(M.CACHE_FILE, lambda db: db.pop(key))
+        readings = [dict(busier)] + [dict(busy)] * (V.COST_TRIES - 1)
+        clipped = V.verify_costs(m, 9)
         assert not readings and clipped == {b: min(v, b) for b, v in busy.items()}  # the least disturbed, clipped
-        assert [c["disturbed"] for c in X.cached_costs()] == [True]
+        assert [c["disturbed"] for c in V.cached_costs()] == [True]
         from helpers import cli
 
         r = cli(["doctor"], env={"LOCALSPEC_CACHE_DIR": str(tmp_path / "cache")}, timeout=120)
         assert "taken while the machine was busy" in r.stdout.decode(), r.stdout.decode()
-        monkeypatch.setattr(X, "_measure_costs", lambda *a: pytest.fail("measured again within COST_RETRY_S"))
-        now[0] += X.COST_RETRY_S - 1
-        assert X.verify_costs(m, 9) == clipped and X.verify_costs_cached(m, 9)
+        monkeypatch.setattr(V, "_measure_costs", lambda *a: pytest.fail("measured again within COST_RETRY_S"))
+        now[0] += V.COST_RETRY_S - 1
+        assert V.verify_costs(m, 9) == clipped and V.verify_costs_cached(m, 9)
         now[0] += 2
-        assert not X.verify_costs_cached(m, 9)
-        monkeypatch.setattr(X, "_measure_costs", lambda mm, upto: dict(quiet))
-        assert X.verify_costs(m, 9) == quiet and [c["disturbed"] for c in X.cached_costs()] == [False]
+        assert not V.verify_costs_cached(m, 9)
+        monkeypatch.setattr(V, "_measure_costs", lambda mm, upto: dict(quiet))
+        assert V.verify_costs(m, 9) == quiet and [c["disturbed"] for c in V.cached_costs()] == [False]
 
 
 def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_path, monkeypatch):
@@ -173,55 +176,57 @@ def test_the_run_s_verify_steps_rescale_the_cached_calibration(target_path, tmp_
     verify steps then cost 1.7-1.8: each generation's judgements of the curve are kept with it (the latest
     LIVE_KEPT), and its extra cost T(b)/T(1) - 1 is scaled by their median once they are LIVE_MIN and leave the
     scale by more than LIVE_KEPT_BAND. The next run, and doctor, price by the scaled curve; a damaged record is ignored."""
-    from localspec.core import exactness as X
-    from localspec.core.policy import LIVE_KEPT, LIVE_MIN
+    from localspec.core import probe_memo as M
+    from localspec.core import verify_cost as V
+    from localspec.core.pricing import LIVE_MIN
+    from localspec.core.verify_cost import LIVE_KEPT
     from localspec.llama.model import Model
     from localspec.store.cachefile import read_json, write_json
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     measured = {b: 1.0 + 0.5 * (b - 1) for b in range(1, 10)}
-    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: dict(measured))
+    monkeypatch.setattr(V, "_measure_costs", lambda m, upto: dict(measured))
     with Model(target_path, n_ctx=512) as m:
-        assert X.verify_costs(m, 9) == measured and X.cost_scale(m) == 1.0
-        assert X.note_verify_steps(m, [1.4] * (LIVE_MIN - 1), 1.0) == 1.0  # too few yet
-        assert X.verify_costs(m, 9) == measured
-        assert X.note_verify_steps(m, [1.4], 1.0) == pytest.approx(1.4)
-        scaled = X.verify_costs(m, 9)
+        assert V.verify_costs(m, 9) == measured and V.cost_scale(m) == 1.0
+        assert V.note_verify_steps(m, [1.4] * (LIVE_MIN - 1), 1.0) == 1.0  # too few yet
+        assert V.verify_costs(m, 9) == measured
+        assert V.note_verify_steps(m, [1.4], 1.0) == pytest.approx(1.4)
+        scaled = V.verify_costs(m, 9)
         assert scaled[3] == pytest.approx(1.0 + 1.0 * 1.4) and scaled[1] == 1.0
         # judgements made against the scaled curve agree with it: nothing moves, the record keeps the latest
-        assert X.note_verify_steps(m, [1.03] * LIVE_KEPT, 1.4) == pytest.approx(1.4)
-        assert X.verify_costs(m, 9) == scaled
+        assert V.note_verify_steps(m, [1.03] * LIVE_KEPT, 1.4) == pytest.approx(1.4)
+        assert V.verify_costs(m, 9) == scaled
         # the machine got faster: relative to the scaled curve its steps cost 0.7 of it
-        assert X.note_verify_steps(m, [0.7] * LIVE_KEPT, 1.4) == pytest.approx(0.98)
-        mine = [c for c in X.cached_costs() if c["model"] == str(target_path.resolve())]
+        assert V.note_verify_steps(m, [0.7] * LIVE_KEPT, 1.4) == pytest.approx(0.98)
+        mine = [c for c in V.cached_costs() if c["model"] == str(target_path.resolve())]
         assert mine[0]["measured"] == measured and mine[0]["scale"] == pytest.approx(0.98)
         assert mine[0]["live_steps"] == LIVE_KEPT and mine[0]["ratio"][2] == pytest.approx(1.49)
-        db = read_json(X.CACHE_FILE)
-        key = next(k for k in db if k.startswith(X.COST_KEY))
+        db = read_json(M.CACHE_FILE)
+        key = next(k for k in db if k.startswith(M.COST_KEY))
         db[key].update(scale="fast", live={"a": 1})
-        write_json(X.CACHE_FILE, db)
-        assert X.verify_costs(m, 9) == measured
-        assert X.note_verify_steps(m, [1.0], 1.0) == 1.0
+        write_json(M.CACHE_FILE, db)
+        assert V.verify_costs(m, 9) == measured
+        assert V.note_verify_steps(m, [1.0], 1.0) == 1.0
 
 
 def test_the_stored_scale_does_not_stay_away_from_the_evidence(target_path, tmp_path, monkeypatch):
     """A stored scale set by a slow stretch must come back when the judgements kept since say otherwise: the median
     of the kept judgements decides, within a band narrow enough that the scale never sits far from them (a 20% band
     held a scale of 1.53 over judgements whose median was 1.30, and `auto` drafted less than the machine paid for)."""
-    from localspec.core import exactness as X
-    from localspec.core.policy import LIVE_KEPT, LIVE_KEPT_BAND
+    from localspec.core import verify_cost as V
+    from localspec.core.verify_cost import LIVE_KEPT, LIVE_KEPT_BAND
     from localspec.llama.model import Model
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, 10)})
+    monkeypatch.setattr(V, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, 10)})
     with Model(target_path, n_ctx=512) as m:
-        X.verify_costs(m, 9)
-        assert X.note_verify_steps(m, [1.53] * LIVE_KEPT, 1.0) == pytest.approx(1.53)  # a slow stretch
+        V.verify_costs(m, 9)
+        assert V.note_verify_steps(m, [1.53] * LIVE_KEPT, 1.0) == pytest.approx(1.53)  # a slow stretch
         # the answers after it: steps that cost 1.30 of the calibrated extra cost, judged against 1.53
-        assert X.note_verify_steps(m, [1.30 / 1.53] * LIVE_KEPT, 1.53) == pytest.approx(1.30)
+        assert V.note_verify_steps(m, [1.30 / 1.53] * LIVE_KEPT, 1.53) == pytest.approx(1.30)
         # noise within the band moves nothing
         wobble = 1.0 + LIVE_KEPT_BAND / 2
-        assert X.note_verify_steps(m, [wobble] * LIVE_KEPT, 1.30) == pytest.approx(1.30)
+        assert V.note_verify_steps(m, [wobble] * LIVE_KEPT, 1.30) == pytest.approx(1.30)
 
 
 def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp_path, monkeypatch):
@@ -229,12 +234,12 @@ def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp
     the calibration as now scaled (a chat's controller keeps its curve across answers: it is reset to it)."""
     from types import SimpleNamespace
 
-    from localspec.core import exactness as X
+    from localspec.core import verify_cost as V
     from localspec.core.engine import Engine, GenConfig
-    from localspec.core.policy import LIVE_MIN, VerifyCurve
+    from localspec.core.pricing import LIVE_MIN, VerifyCurve
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(X, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, upto + 1)})
+    monkeypatch.setattr(V, "_measure_costs", lambda m, upto: {b: 1.0 + 0.5 * (b - 1) for b in range(1, upto + 1)})
     e = Engine.load(target_path, n_ctx=512)
     try:
         seen = []
@@ -245,7 +250,7 @@ def test_a_generation_hands_its_verify_steps_to_the_calibration(target_path, tmp
         assert len(seen) == 1 and isinstance(seen[0].curve, VerifyCurve)
         curve = VerifyCurve(prior=dict(e.verify_costs(9)), scale=1.5, live=[1.5] * LIVE_MIN)
         e.note_verify_steps(SimpleNamespace(curve=curve))
-        assert X.cost_scale(e.target) == pytest.approx(1.5)
+        assert V.cost_scale(e.target) == pytest.approx(1.5)
         assert e.verify_costs(9)[3] == pytest.approx(2.5) and curve.prior == e.verify_costs(9)
         assert curve.scale == 1.0 and curve.live == []  # the scale now lives in the calibration it is priced by
     finally:
@@ -261,6 +266,7 @@ def test_doctor_shows_the_calibrations_that_apply_to_the_files_as_they_are(targe
     import shutil
 
     from localspec.core import exactness as X
+    from localspec.core import verify_cost as V
     from localspec.llama.model import Model
     from tests.helpers import cli
 
@@ -272,11 +278,11 @@ def test_doctor_shows_the_calibrations_that_apply_to_the_files_as_they_are(targe
         if slope == 0.7:
             st = f.stat()
             os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        monkeypatch.setattr(X, "_measure_costs", lambda m, upto, s=slope: {b: 1.0 + s * (b - 1) for b in range(1, 10)})
+        monkeypatch.setattr(V, "_measure_costs", lambda m, upto, s=slope: {b: 1.0 + s * (b - 1) for b in range(1, 10)})
         with Model(f, n_ctx=512) as m:
-            X.verify_costs(m, 9)
+            V.verify_costs(m, 9)
             X.max_exact_batch(m, 3)
-    costs = [c for c in X.cached_costs() if c["model"] == str(f.resolve())]
+    costs = [c for c in V.cached_costs() if c["model"] == str(f.resolve())]
     assert sorted((c["ratio"][2], c["current"]) for c in costs) == [(1.5, False), (1.7, True)]
     probes = [p for p in X.cached_probes() if p["model"] == str(f.resolve())]
     assert sorted(p["current"] for p in probes) == [False, True]

@@ -186,6 +186,7 @@ def test_probe_and_calibration_work_on_recurrent_models(recurrent, tmp_path, mon
     """The exactness probe and the verify-cost timing roll back through truncate (no full-batch seq_rm) and
     leave the cache as they found it."""
     from localspec.core import exactness as X
+    from localspec.core.verify_cost import time_batches
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     path, kind = recurrent
@@ -195,7 +196,7 @@ def test_probe_and_calibration_work_on_recurrent_models(recurrent, tmp_path, mon
         got = X.measure(m, 5)
         assert 1 <= got["batch"] <= 5 and set(got["deviation"]) == {2, 3, 4, 5}
         assert all(v < 0.1 for v in got["deviation"].values())
-        t = X.time_batches(m, 4, reps=1)
+        t = time_batches(m, 4, reps=1)
         assert sorted(t) == [1, 2, 3, 4]
         assert m.tokens == ids
         m.truncate(len(ids) - 1)

@@ -193,7 +193,7 @@ def test_doctor_json(env, target_path):
 
 def test_doctor_lists_verify_costs(target_path):
     from localspec.llama.model import Model
-    from localspec.core.exactness import COST_MIN_UPTO, verify_costs
+    from localspec.core.verify_cost import COST_MIN_UPTO, verify_costs
 
     with Model(target_path, n_ctx=512) as m:
         ratio = verify_costs(m, 4)

@@ -1,9 +1,10 @@
-"""core/policy.py: the adaptive controller on synthetic acceptance streams and timings (no model)."""
+"""core/policy.py and core/pricing.py: the adaptive controller on synthetic acceptance streams and timings (no model)."""
 
 import pytest
 import numpy as np
 
-from localspec.core.policy import AdaptivePolicy, DrafterEstimate, VerifyCurve, best_k, expected_tokens
+from localspec.core.policy import AdaptivePolicy
+from localspec.core.pricing import DrafterEstimate, VerifyCurve, best_k, expected_tokens
 from localspec.drafters.base import Drafter, Offer, Proposal
 
 T1 = 0.030

@@ -183,7 +183,7 @@ def ideal_speedup(alpha: float, k: int, c: float, t_ratio: float) -> float:
 
 def calibrate(engine: Engine, max_batch: int, reps: int = 3) -> dict:
     """Measured verify-cost curve T(b)/T(1) of the target and the draft's per-token cost c."""
-    from localspec.core.exactness import time_batches
+    from localspec.core.verify_cost import time_batches
 
     curve = time_batches(engine.target, max_batch, reps)
     c = 0.0

@@ -18,7 +18,8 @@ def doctor(as_json: Annotated[bool, typer.Option("--json", help="Machine-readabl
     from localspec.models import download
     from localspec.models import registry
     from localspec.llama.sysinfo import hardware
-    from localspec.core.exactness import cached_costs, cached_probes
+    from localspec.core.exactness import cached_probes
+    from localspec.core.verify_cost import cached_costs
 
     report: dict = {"localspec": __version__, "python": sys.version.split()[0]}
     report.update(hardware())

@@ -1,4 +1,4 @@
-"""What a batch step costs, on the target's calibrated verify curve (core/exactness.verify_costs: T(b)/T(1), the
+"""What a batch step costs, on the target's calibrated verify curve (core/verify_cost.verify_costs: T(b)/T(1), the
 time of one b-row decode in one-row steps). The batch prices each slot's drafted rows by what they add to the whole
 step (BatchEngine._price_rows) and decides whether padding the step to one pass pays (BatchEngine._padding_pays)."""
 
