@@ -162,6 +162,49 @@ def test_a_recurrent_draft_model_that_cannot_roll_back_keeps_the_single_path(tar
         e.close()
 
 
+def test_a_request_the_batch_cannot_take_runs_alone_on_the_targets_own_context(target_path, tmp_path, monkeypatch):
+    """The server's one loop: where single_reason gives a reason (a draft model that cannot roll back), the request
+    waits for the batch, then is stepped alone on the target's own context (the same scheduler, one slot) and answers
+    what the Engine answers; the next request shares the batch again."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tinymodels import write_mamba
+    from localspec.core.engine import Finished
+    from localspec.server.queue import Job, Worker
+
+    monkeypatch.setenv("LOCALSPEC_ROLLBACK", "none")
+    e = Engine.load(target_path, write_mamba(tmp_path / "mamba.gguf", 3), n_ctx=512)
+    worker = Worker(SimpleNamespace(engine=e, gen_config=lambda: cfg_for("lookup")), 8, log=lambda m: None,
+                    parallel=2)
+    stepped: list = []
+    step = BatchEngine.step
+    monkeypatch.setattr(BatchEngine, "step", lambda self: stepped.append(self.n_slots) or step(self))
+
+    async def ask(cfg) -> Finished:
+        job = Job(lambda eng: eng.raw_prompt(PROMPTS[0]), cfg, asyncio.get_running_loop(), asyncio.Queue())
+        worker.submit(job)
+        while True:
+            ev = await job.events.get()
+            if isinstance(ev, Exception):
+                raise ev
+            if isinstance(ev, Finished):
+                return ev
+
+    try:
+        draft = cfg_for("draft", max_tokens=30)
+        assert "cannot be rolled back" in worker.batch.single_reason(draft) and worker.alone.single_reason(draft) == ""
+        fin = asyncio.run(ask(draft))
+        assert set(stepped) == {1} and worker.batch.steps == 0  # alone, on the target's own context
+        assert fin.tokens == alone(e, PROMPTS[0], draft).tokens and "rollback: none" in fin.stats.reason
+        stepped.clear()
+        fin = asyncio.run(ask(cfg_for("lookup", max_tokens=30)))
+        assert set(stepped) == {2} and fin.tokens == alone(e, PROMPTS[0], cfg_for("lookup", max_tokens=30)).tokens
+    finally:
+        assert worker.stop()
+        e.close()
+
+
 def test_serve_parallel_batches_draft_requests(target_path, draft_path, tmp_path):
     """Through the server's queue: four concurrent `method draft` chats run in the batch, drafting there, and answer
     what they answer one at a time."""

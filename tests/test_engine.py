@@ -315,6 +315,7 @@ def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_pa
     import json
 
     import localspec.core.exactness as ex
+    from localspec.core.probe_memo import CACHE_FILE
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path))
     with Model(target_path, n_ctx=1024) as m:
@@ -329,13 +330,13 @@ def test_probe_records_deviation_per_batch_size(target_path, monkeypatch, tmp_pa
         real = ex.measure
         monkeypatch.setattr(ex, "measure", lambda model, upto: calls.append(upto) or real(model, upto))
         assert ex.deviation(m, 6) == dev and ex.max_exact_batch(m, 6) == best and calls == [6]  # measured once
-        db = json.loads((tmp_path / ex.CACHE_FILE).read_text())
+        db = json.loads((tmp_path / CACHE_FILE).read_text())
         (key, entry), = db.items()
         assert entry["batch"] == best and entry["model"] == str(target_path.resolve()) and entry["long_prefix"] is True
         assert [p["deviation"] for p in ex.cached_probes()] == [dev]
-        (tmp_path / ex.CACHE_FILE).write_text(json.dumps({key: best}))  # an entry with the exact batch alone
+        (tmp_path / CACHE_FILE).write_text(json.dumps({key: best}))  # an entry with the exact batch alone
         assert ex.deviation(m, 6) == dev and calls == [6, 6]
-        assert not [p for p in tmp_path.iterdir() if p.name not in (ex.CACHE_FILE, "locks")]  # no temp files left behind
+        assert not [p for p in tmp_path.iterdir() if p.name not in (CACHE_FILE, "locks")]  # no temp files left behind
 
 
 def test_cache_writes_are_atomic(monkeypatch, tmp_path):
@@ -430,21 +431,21 @@ def test_every_drafting_step_counts_its_tokens_to_the_source_that_drafted_them(e
 def test_a_single_request_is_stepped_by_the_batch_scheduler_as_a_batch_of_one(engine, plain, monkeypatch):
     """run, chat and bench decode through BatchEngine.step (one loop for one request and for many): every target
     pass of a generation is one of the scheduler's steps, and its answer is plain decoding's."""
+    from localspec.core.backend import OwnContext
     from localspec.core.batch import BatchEngine
-    from localspec.core.solo import SoloEngine
 
     steps: list = []
     step = BatchEngine.step
 
     def counted(self):
-        steps.append(type(self))
+        steps.append((self.n_slots, type(self.ms)))
         return step(self)
 
     monkeypatch.setattr(BatchEngine, "step", counted)
     p = PROMPTS[0]
     r = engine.complete(engine.raw_prompt(p), GenConfig(method="lookup", k=4, max_tokens=N_EXACT, exactness="bit"))
     assert r.tokens == plain[p]
-    assert set(steps) == {SoloEngine}
+    assert set(steps) == {(1, OwnContext)}  # one slot: the target's own context
     # the steps that decoded: one per target pass; the last step found the answer's end and decoded nothing
     assert len(steps) - 1 == r.stats.target_passes > 0
 

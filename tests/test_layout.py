@@ -274,6 +274,19 @@ def test_drafters_use_the_models_public_interface():
     assert not bad, "\n".join(bad)
 
 
+def test_the_scheduler_uses_the_engines_public_interface():
+    """core/ reads, calls and writes another object's fields only through its public interface (the scheduler sets
+    no `engine._field`, the engine none of a model's): a class's private state has one owner."""
+    bad = [r for p in sorted((PKG / "core").glob("*.py")) for r in private_reaches(p)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_private_field_check_sees_a_write(tmp_path):
+    p = tmp_path / "w.py"
+    p.write_text("def f(engine, run):\n    engine._hooked = [run]\n    self._mine = 1\n")
+    assert private_reaches(p) == ["w.py:2 ._hooked"]
+
+
 def test_the_private_field_check_sees_one(tmp_path):
     p = tmp_path / "d.py"
     p.write_text("def f(target):\n    return target._ctx, self._ok\n")

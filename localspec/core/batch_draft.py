@@ -56,8 +56,7 @@ def batch_draft_reason(engine) -> str:
     draft = engine.draft
     if draft is None:
         return ""
-    kind = getattr(draft, "rollback_kind", "kv")
-    if kind == "none":
+    if draft.rollback_kind == "none":
         return (f"the draft model {draft.name} keeps a recurrent state that cannot be rolled back here: draft-model "
                 "requests run on the single-sequence path")
     return ""
@@ -144,7 +143,7 @@ class BatchDraft:
     @property
     def rollback_kind(self) -> str:
         """How a slot's rejected drafts leave its sequence: the MultiSeq's kind, or the model's before it exists."""
-        return self.ms.rollback_kind if self.ms is not None else getattr(self.model, "rollback_kind", "kv")
+        return self.ms.rollback_kind if self.ms is not None else self.model.rollback_kind
 
     def rollback_counters(self, seq: int) -> dict:
         """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""

@@ -31,14 +31,6 @@ class BatchHeads:
         self._seen: dict[tuple[int, str], list[int]] = {}  # ... the tokens its state was read from
         self.active: dict[int, dict[str, object]] = {}  # seq -> the drafters of the request running there, by method
 
-    def reason(self, method: str) -> str:
-        """Why the engine's head for `method` cannot draft in a slot ('' when it can, or when it is no head)."""
-        head = self.engine.heads.get(method)
-        if head is None or callable(getattr(head, "for_sequence", None)):
-            return ""
-        return (f"method {method} runs on the single-sequence path (its drafter cannot follow a batch slot's "
-                "sequence)")
-
     def drafter(self, seq: int, method: str, p_min: float, prompt: Sequence[int], cached: int):
         """Slot `seq`'s drafter for `method`, for a request whose prompt the slot's cache holds the first `cached`
         tokens of: what the drafter read before holds for the prompt's common prefix with the text it read it from,

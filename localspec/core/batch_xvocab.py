@@ -35,14 +35,14 @@ class CrossVocabSlots:
         """None unless the engine's draft model has another vocabulary than its target and a state it can roll back
         (a KV cache; a recurrent state by a plane or a checkpoint: each slot's sequence rolls back on its own,
         llama/multiseq.py)."""
-        if not cross_vocab(engine) or getattr(engine.draft, "rollback_kind", "kv") == "none":
+        if not cross_vocab(engine) or engine.draft.rollback_kind == "none":
             return None
         return cls(engine, n_slots)
 
     @property
     def rollback_kind(self) -> str:
         """How a slot's rejected drafts leave its sequence: the MultiSeq's kind, or the model's before it exists."""
-        return self.ms.rollback_kind if self.ms is not None else getattr(self.engine.draft, "rollback_kind", "kv")
+        return self.ms.rollback_kind if self.ms is not None else self.engine.draft.rollback_kind
 
     def rollback_counters(self, seq: int) -> dict:
         """Slot `seq`'s rollback counters on the draft model (zeros before its first draft)."""

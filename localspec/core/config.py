@@ -1,4 +1,4 @@
-"""One generation's settings, as values: what every scheduler (core/solo.py, core/batch.py) takes per request."""
+"""One generation's settings, as values: what every scheduler (core/batch.py: alone or in a batch) takes per request."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The model pair and what outlives a request on it: drafters, heads, the controller's memory, the exactness probe.
-A request decodes through the scheduler's step as a batch of one over the target's own context (core/solo.py).
+A request decodes through the scheduler's step (core/batch.py) as a batch of one over the target's own context.
 
 Invariant between steps: the target's KV cache holds every context token but the last one (the
 "pending" token the target chose and we already emitted). A step decodes [pending, d1..dk] in ONE
@@ -14,15 +14,15 @@ from typing import Iterator, Sequence
 
 from localspec.defaults import AUTO_MIN_BIT_K, EXACTNESS, MAX_K, METHODS  # noqa: F401 - part of the engine API
 from localspec.core.config import GenConfig  # noqa: F401 - part of the engine API
-from localspec.core.generation import Finished, Piece  # noqa: F401 - part of the engine API
-from localspec.core.solo import SoloEngine
+from localspec.core.generation import Finished, Piece, speculates  # noqa: F401 - part of the engine API
+from localspec.core.batch import BatchEngine
+from localspec.core.drafting import drafters_for
 from localspec.core.policy import Policy, build_policy, env_allows_inexact
 from localspec.core.response import Response
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
-from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter, chained
+from localspec.drafters import DraftModelDrafter, Drafter, PromptLookupDrafter
 from localspec.drafters.ngram_cache import NgramCacheDrafter
-from localspec.drafters.grammar import GrammarDrafter
 from localspec.errors import IncompatibleDraftError, SettingError, UsageError
 from localspec.knobs import knobs
 from localspec.models.pair import check_pair
@@ -55,7 +55,7 @@ class Engine:
         self.dropped_draft: str | None = None
         self._probe: tuple[int, int] | None = None  # (upto, exact batch): one exactness probe per target
         self._costs: dict[int, float] = {}  # the verify-cost calibration, once read (not a file read per answer)
-        self._cost_scale = 1.0  # ... and the scale its live judgements had put on it then (exactness.cost_scale)
+        self._cost_scale = 1.0  # ... and the scale its live judgements had put on it then (verify_cost.cost_scale)
         self.last_stats: Stats | None = None
         # prompt states kept across processes (core/prompt_cache.PromptCache; None: none), set by the front ends
         # that decode one request at a time (run, chat)
@@ -200,8 +200,8 @@ class Engine:
             return 0
         _, cached, _ = self.sync_prompt(prompt)
         decoded = len(prompt) - cached
-        self._after_decode(*getattr(self.target, "last_replay", ((), 0)))
-        self._after_decode(prompt[cached:], cached)
+        self.after_target_decode(*self.target.last_replay)
+        self.after_target_decode(prompt[cached:], cached)
         if self.draft is not None and len(prompt) < self.draft.n_ctx:
             if self.draft_kind == "cross-vocab":  # its cache holds its own tokens for the prompt's text
                 self.draft_drafter(GenConfig()).catch_up(prompt)
@@ -277,25 +277,29 @@ class Engine:
             self._suffix = SuffixDrafter(corpus)
         return self._suffix
 
+    def ngram_drafter(self) -> Drafter:
+        self._ngram = self._ngram or NgramCacheDrafter()
+        return self._ngram
+
+    def model_drafter(self, cfg: GenConfig) -> Drafter | None:
+        """The draft model's drafter, where its state rolls back (drafting.DrafterPool)."""
+        return self.draft_drafter(cfg) if self.draft is not None and can_roll_back(self.draft) else None
+
+    def head_kinds(self) -> list[str]:
+        return list(self.heads)
+
+    def head_drafter(self, kind: str, cfg: GenConfig) -> Drafter:
+        head = self.heads[kind]
+        head.p_min = cfg.p_min
+        return head
+
+    def grammar_pays(self) -> bool:
+        """Alone on the target's context, the tokens structured output forces are always drafted."""
+        return True
+
     def drafters_for(self, cfg: GenConfig, method: str) -> dict[str, Drafter]:
         """The drafters `method` may use with what is loaded (auto: all of them)."""
-        out: dict[str, Drafter] = {}
-        if method in ("auto", "lookup"):
-            out["lookup"] = self.lookup_drafter(cfg)
-        if method in ("auto", "ngram"):
-            out["ngram"] = self._ngram = self._ngram or NgramCacheDrafter()
-        if method in ("auto", "suffix"):
-            out["suffix"] = self.suffix_drafter()
-            out["suffix"].beside_lookup = "lookup" in out
-        if method in ("auto", "draft") and self.draft is not None and _can_rollback(self.draft):
-            out["draft"] = self.draft_drafter(cfg)
-        for kind, head in self.heads.items():
-            if method in ("auto", kind):
-                head.p_min = cfg.p_min
-                out[kind] = head
-        if method == "auto" and hasattr(cfg.constraint, "forced"):
-            out["grammar"] = GrammarDrafter(cfg.constraint)  # the tokens structured output forces
-        return chained(out) if method == "auto" else out
+        return drafters_for(cfg, method, self)
 
     def resolve_method(self, cfg: GenConfig) -> str:
         if cfg.method == "draft" and self.draft is None:
@@ -316,7 +320,14 @@ class Engine:
                                ("method", "draft"))
         return cfg.method
 
-    def _after_decode(self, tokens: Sequence[int], start: int) -> None:
+    def attach(self, drafters, text: TextAssembler, stats: Stats) -> None:
+        """A request starts on the target's own context: `drafters` (its policy's) see every target decode from now
+        on (after_target_decode), and last_text, last_stats and respond() read its `text` and `stats`."""
+        self._hooked = list(drafters)
+        self._assembler = text
+        self.last_stats = stats
+
+    def after_target_decode(self, tokens: Sequence[int], start: int) -> None:
         """Every target decode ends here: each drafter in use sees what was decoded (draft heads read hidden
         states that live only until the next decode)."""
         if tokens:
@@ -329,20 +340,20 @@ class Engine:
         if knobs().no_cost_calibration:
             return None
         if len(self._costs) < upto:
-            from localspec.core.exactness import cost_scale, verify_costs
+            from localspec.core.verify_cost import cost_scale, verify_costs
 
             self._costs = verify_costs(self.target, upto)
             self._cost_scale = cost_scale(self.target)
         return self._costs
 
     def note_verify_steps(self, policy) -> None:
-        """After a generation: its verify steps' judgements of the calibrated curve (policy.VerifyCurve.live) are kept
-        with the calibration, whose scale follows them (exactness.note_verify_steps); the curve, which a chat's
+        """After a generation: its verify steps' judgements of the calibrated curve (pricing.VerifyCurve.live) are kept
+        with the calibration, whose scale follows them (verify_cost.note_verify_steps); the curve, which a chat's
         next answer reuses, is priced by the calibration as now scaled."""
         curve = getattr(policy, "curve", None)
         if curve is None or not curve.live or not self._costs or knobs().no_cost_calibration:
             return
-        from localspec.core.exactness import note_verify_steps, verify_costs
+        from localspec.core.verify_cost import note_verify_steps, verify_costs
 
         scale = note_verify_steps(self.target, list(curve.live), self._cost_scale)
         curve.live.clear()
@@ -373,7 +384,7 @@ class Engine:
         and why, in plain words. `rows`: the most verify rows per request that the probe of the context it decodes
         in checked (a batch's pass shapes: BatchEngine.bit_rows); None: the target's own probe, which checks k + 1."""
         k = cfg.k
-        if self.resolve_method(cfg) == "none" or k <= 0:
+        if not speculates(cfg, self.resolve_method(cfg)):
             return 0, "bit", "bit: plain decoding (no verify batches)"
         if self.rollback_notice(cfg):
             return 0, "bit", "bit: plain decoding (the model cannot roll back rejected tokens)"
@@ -408,12 +419,12 @@ class Engine:
         """Why `cfg` decodes plainly although it asks to speculate ('' when it can): a recurrent/hybrid target (or
         a forced draft model) whose state can be neither rolled back nor restored from a checkpoint here."""
         method = cfg.method
-        if method == "none" or cfg.k <= 0:
+        if not speculates(cfg, method):
             return ""
-        if not _can_rollback(self.target):
+        if not can_roll_back(self.target):
             return (f"plain decoding: {self.target.name} keeps a recurrent state that cannot be rolled back here "
                     "(rollback: none)")
-        if method == "draft" and self.draft is not None and not _can_rollback(self.draft):
+        if method == "draft" and self.draft is not None and not can_roll_back(self.draft):
             return (f"plain decoding: the draft model {self.draft.name} keeps a recurrent state that cannot be rolled "
                     "back here (rollback: none)")
         return ""
@@ -422,8 +433,8 @@ class Engine:
         """(policy, method, k): k is cfg.k, capped under bit exactness to what verifies bit-exactly (0 for plain
         decoding). `exactness`: exactness_for(cfg), when the caller has it already."""
         method = self.resolve_method(cfg)
-        k = (exactness or self.exactness_for(cfg))[0] if method != "none" else 0
-        if method == "none" or k == 0:
+        k = (exactness or self.exactness_for(cfg))[0]  # 0 where the request does not speculate
+        if k == 0:
             policy, label = build_policy(cfg, "none", 0, {}, None)
             return policy, label, k
         adaptive = cfg.adaptive if cfg.adaptive is not None else method == "auto"
@@ -442,9 +453,9 @@ class Engine:
     ) -> Iterator[Piece | Finished]:
         """Stream Pieces, then one Finished. Output equals plain decoding of the target (token for token
         at temperature 0; in distribution above 0). The request alone on the target's own context, stepped by the
-        batch scheduler as a batch of one (core/solo.py): each step decodes its pending token and drafts in one
+        scheduler as a batch of one (core/batch.py, core/backend.OwnContext): each step decodes its pending token and drafts in one
         batch (core/generation.py does the rest)."""
-        return SoloEngine(self).events(prompt_tokens, cfg, cancel)
+        return BatchEngine(self, 1, own_context=True).events(prompt_tokens, cfg, cancel)
 
     @property
     def last_text(self) -> str:
@@ -462,5 +473,6 @@ class Engine:
         return self.respond(prompt_tokens, cfg).result()
 
 
-def _can_rollback(model) -> bool:
-    return getattr(model, "rollback_kind", "kv") != "none"
+def can_roll_back(model) -> bool:
+    """Whether `model`'s state can be cut back after rejected drafts (a KV cache, a plane or a checkpoint)."""
+    return model.rollback_kind != "none"

@@ -83,6 +83,12 @@ def check_bias(cfg, n_vocab: int) -> np.ndarray | None:
     return bias
 
 
+def speculates(cfg, method: str) -> bool:
+    """Whether a request drafts at all: a method other than none, and k > 0. Else it decodes plainly, at k 0 (the one
+    rule every scheduler and the exactness levels follow)."""
+    return method != "none" and cfg.k > 0
+
+
 def new_stats(cfg, method: str, k_cap: int, level: str, why: str) -> Stats:
     """A request's stats as it starts: the method, the k it may use, the exactness level and why."""
     stats = Stats(method=method, k_cap=k_cap, exactness=level, exactness_reason=why)

@@ -1,4 +1,4 @@
-"""Prompt states across processes for a request decoded alone (`run`, `chat`: core/solo.py, Engine.prefill): the
+"""Prompt states across processes for a request decoded alone (`run`, `chat`: core/batch.py on the target's own context, Engine.prefill): the
 state of a prompt's prefix restored from the store (store/prompt_states.py) before its prefill, so a new process
 asked about the same piped file decodes only the rest, and the state of its prefix saved during the prefill.
 
@@ -36,7 +36,7 @@ from localspec.store.prompt_states import MemoryStates, PromptStates, aligned, s
 
 def usable(model) -> bool:
     """A model whose states are kept: a plain transformer (rollback kind "kv") of llama/model.py."""
-    return model is not None and getattr(model, "rollback_kind", "") == "kv" and hasattr(model, "state_bytes")
+    return model is not None and model.rollback_kind == "kv" and hasattr(model, "state_bytes")
 
 
 def save_point(model, n_prompt: int) -> int:

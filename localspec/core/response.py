@@ -2,7 +2,7 @@
 read `finished` (the Finished: text, tokens, finish reason, stats), or the request's error, raised.
 
 A `Response` is fed one of two ways, and reads the same either way:
-- pulled: Engine.respond() wraps a batch of one's generator (core/solo.py); iterating the response runs the decode;
+- pulled: Engine.respond() wraps a batch of one's generator (core/batch.py, BatchEngine.events); iterating the response runs the decode;
 - pushed: BatchEngine.submit() hands `push` to the batch as the request's sink; the thread that steps the batch
   feeds it, and `listen` passes each event on as it arrives (the server posts them to the client's stream).
 Meanwhile `text` is the answer released so far and `stats` its live figures: what a front end shows or keeps when

@@ -31,6 +31,7 @@ from localspec.errors import DecodeCancelled, DecodeError, ModelLoadError, Usage
 from localspec.knobs import knobs
 from localspec.llama import aborts, ggml, lib
 from localspec.llama.lib import ll as _ll
+from localspec.llama.seqstate import SeqStates, roll_back
 from localspec.llama.threads import check_threads, default_threads
 from localspec.llama.tokens import Tokens
 from localspec import rpcwire as rpc
@@ -172,18 +173,8 @@ class Model(Tokens):
         except BaseException:  # KeyboardInterrupt too: free what was allocated
             self.close()
             raise
-        # checkpoint state (recurrent/hybrid): one reused buffer, the position it was saved at (None: no valid one)
-        self._ckpt_buf = None
-        self._ckpt_len = 0
-        self._ckpt_pos: int | None = None
-        self._last_batch = 0  # tokens of the last decode (RS rollback stays inside it)
-        self._rolled = False  # an RS rollback happened since the last decode
-        self.restores = 0  # checkpoint restores (each followed by a replay)
-        self.replayed_tokens = 0  # tokens decoded again after restores
-        self.checkpoint_bytes = 0  # size of the saved recurrent state
-        self.save_s = 0.0
-        self.restore_s = 0.0
-        self.rs_rollbacks = 0
+        # a recurrent/hybrid state's checkpoint, planes and rollback counters (sequence 0; llama/seqstate.py)
+        self._states = SeqStates(self._ctx, 1)
         self.last_replay: tuple[list[int], int] = ([], 0)  # what the last truncate() replayed, and from where
         self.reused = 0  # prefix tokens the last sync() kept from the cache
         # the prefix of the cache a cold prefill would have computed the same way: whole n_batch chunks decoded from
@@ -243,44 +234,19 @@ class Model(Tokens):
         return "checkpoint" if size > 0 else "none"
 
     @property
-    def can_rollback(self) -> bool:
-        return self.rollback_kind != "none"
+    def recurrent(self) -> bool:
+        return self.rollback_kind != "kv"
 
     def rollback_counters(self) -> dict:
         """What rollback has cost so far (for Stats: take differences around a generation)."""
-        return {"restores": self.restores, "replayed_tokens": self.replayed_tokens, "rs_rollbacks": self.rs_rollbacks,
-                "checkpoint_bytes": self.checkpoint_bytes, "save_s": self.save_s, "restore_s": self.restore_s}
+        return self._states.counters(0)
 
     def save_checkpoint(self) -> None:
         """Save the recurrent state at the current position (recurrent/hybrid models; a no-op otherwise). decode()
         does it before every multi-token decode; a caller about to make several one-token decodes it may roll back
         (a draft model's proposal) calls it first."""
-        if self.rollback_kind not in ("rs", "checkpoint"):
-            return
-        pos = len(self.tokens)
-        if self._ckpt_pos == pos:
-            return  # the saved state is this one (nothing was decoded since, or it was restored to here)
-        flags = _ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-        t0 = time.perf_counter()
-        need = int(_ll.llama_state_seq_get_size_ext(self._ctx, 0, flags))
-        if self._ckpt_buf is None or len(self._ckpt_buf) < need:
-            self._ckpt_buf = (ctypes.c_uint8 * need)()
-        n = int(_ll.llama_state_seq_get_data_ext(self._ctx, self._ckpt_buf, len(self._ckpt_buf), 0, flags))
-        self.save_s += time.perf_counter() - t0
-        if n <= 0:
-            self._ckpt_pos = None
-            return
-        self._ckpt_len = n
-        self._ckpt_pos = pos
-        self.checkpoint_bytes = n
-
-    def _restore(self) -> bool:
-        t0 = time.perf_counter()
-        n = int(_ll.llama_state_seq_set_data_ext(self._ctx, self._ckpt_buf, self._ckpt_len, 0,
-                                                 _ll.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY))
-        ok = n > 0 and bool(_ll.llama_memory_seq_rm(self._mem, 0, self._ckpt_pos, -1))
-        self.restore_s += time.perf_counter() - t0
-        return ok
+        if self.rollback_kind in ("rs", "checkpoint"):
+            self._states.save(0, len(self.tokens))
 
     def truncate(self, n_keep: int) -> list[int]:
         """Remove the cache's entries from position n_keep on (rollback of rejected tokens). Returns the tokens
@@ -291,38 +257,16 @@ class Model(Tokens):
             return []
         n_keep = max(int(n_keep), 0)
         self.cold_upto = min(self.cold_upto, n_keep)
-        kind = self.rollback_kind
-        if kind == "kv":
-            if not _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1):
-                raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries from position {n_keep}")
-            del self.tokens[n_keep:]
-            return []
         if n_keep == 0:
             self.clear()
             return []
-        drop = len(self.tokens) - n_keep
-        if (kind == "rs" and not self._rolled and drop < self._last_batch and drop <= self.rs_seq
-                and _ll.llama_memory_seq_rm(self._mem, 0, n_keep, -1)):
-            # inside the last batch, keeping at least its first row, once per decode: a plane is selected
-            self._rolled = True
-            self.rs_rollbacks += 1
-            del self.tokens[n_keep:]
-            if self._ckpt_pos is not None and self._ckpt_pos > n_keep:
-                self._ckpt_pos = None
-            return []
-        keep = self.tokens[:n_keep]
-        if self._ckpt_pos is not None and self._ckpt_pos <= n_keep and self._restore():
-            start = self._ckpt_pos
-        else:  # no usable checkpoint (none yet, or saved past n_keep): from the start
-            self.clear()
-            start = 0
+        roll_back(self._states, self._mem, 0, n_keep, self.rollback_kind, self.rs_seq, self.name)
+        start = self._states.done[0] if self.recurrent else n_keep
+        replay = self.tokens[start:n_keep]
         del self.tokens[start:]
-        self.restores += 1
-        replay = keep[start:]
-        if replay:
+        if replay:  # a restored checkpoint (or none: from the start): the accepted tokens after it, decoded again
             self.decode(replay, [], _checkpoint=False)
-            self.replayed_tokens += len(replay)
-        self._rolled = False
+            self._states.replayed[0] += len(replay)
         self.last_replay = (replay, start)
         return replay
 
@@ -367,10 +311,8 @@ class Model(Tokens):
         _ll.llama_memory_clear(self._mem, True)
         self.tokens.clear()
         self.cold_upto = 0
-        if hasattr(self, "_ckpt_pos"):
-            self._ckpt_pos = None
-            self._last_batch = 0
-            self._rolled = False
+        if getattr(self, "_states", None) is not None:
+            self._states.cleared(0)
 
     def decode(self, tokens: Sequence[int], logit_rows: Sequence[int] | str = "last", copy: bool = True,
                *, _checkpoint: bool = True) -> np.ndarray:
@@ -426,8 +368,8 @@ class Model(Tokens):
             self.tokens.extend(int(t) for t in chunk)
             if cold and self.rollback_kind == "kv":
                 self.cold_upto = base + m
-            self._last_batch = m
-            self._rolled = False
+            if self.recurrent:
+                self._states.decoded([(0, m)], (0,))
             if chunk_rows:
                 ptr = _ll.llama_get_logits(self._ctx)
                 arr = np.ctypeslib.as_array(ptr, shape=(len(chunk_rows), self.n_vocab))

@@ -40,7 +40,7 @@ from localspec.errors import DecodeError, ModelLoadError, UsageError
 from localspec.llama import lib
 from localspec.llama.lib import ll as _ll
 from localspec.llama.model import GGML_TYPES, free_batch_and_context
-from localspec.llama.seqstate import SeqStates
+from localspec.llama.seqstate import SeqStates, roll_back
 from localspec.seq import common_prefix
 
 
@@ -99,7 +99,7 @@ class MultiSeq:
         as in a single-sequence context; llama.cpp splits a batch into ubatches of equal rows per sequence)."""
         if n_seq < 1:
             raise UsageError(f"need at least one sequence, got {n_seq}")
-        kind = getattr(model, "rollback_kind", "kv")
+        kind = model.rollback_kind
         if kind not in ("kv", "rs", "checkpoint"):
             raise UsageError(f"{model.name} keeps a recurrent state that cannot be rolled back here ({kind} "
                              "rollback): it cannot decode several sequences in one batch")
@@ -285,25 +285,14 @@ class MultiSeq:
         n_keep = max(int(n_keep), 0)
         if n_keep >= len(self.tokens[seq]):
             return
-        self.cold[seq] = min(self.cold[seq], n_keep)
-        if not self.recurrent:
-            if not _ll.llama_memory_seq_rm(self._mem, seq, n_keep, -1):
-                raise DecodeError(f"{self.name}: llama.cpp cannot remove KV entries of sequence {seq} from {n_keep}")
-            del self.tokens[seq][n_keep:]
-            return
         if n_keep == 0:
             self.clear(seq)
             return
-        st = self.states
-        if n_keep >= st.done[seq]:  # inside a pending replay: it just gets shorter
+        self.cold[seq] = min(self.cold[seq], n_keep)
+        if self.recurrent and n_keep >= self.states.done[seq]:  # inside a pending replay: it just gets shorter
             del self.tokens[seq][n_keep:]
             return
-        if (self.rollback_kind == "rs" and st.can_select(seq, st.done[seq] - n_keep, self.rs_seq)
-                and _ll.llama_memory_seq_rm(self._mem, seq, n_keep, -1)):
-            st.selected(seq, n_keep)
-        elif not st.restore(seq, n_keep, self._mem):  # no usable checkpoint: from the start
-            _ll.llama_memory_seq_rm(self._mem, seq, -1, -1)
-            st.cleared(seq, restore=True)
+        roll_back(self.states, self._mem, seq, n_keep, self.rollback_kind, self.rs_seq, self.name)
         del self.tokens[seq][n_keep:]
 
     def reachable(self, seq: int, n: int) -> int:

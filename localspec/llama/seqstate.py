@@ -1,7 +1,8 @@
-"""Per-sequence recurrent-state bookkeeping of a MultiSeq (llama/multiseq.py): where each sequence's state really
-is, its checkpoint, whether a recurrent-state plane can still be selected, and what rollbacks cost.
+"""Per-sequence recurrent-state bookkeeping of a context (llama/model.py's Model: its one sequence; llama/multiseq.py's
+MultiSeq: each of its sequences): where each sequence's state really is, its checkpoint, whether a recurrent-state
+plane can still be selected, and what rollbacks cost; and `roll_back`, the one rollback both contexts make.
 
-The rules are the single-sequence Model's (llama/model.py), kept per sequence: a checkpoint is the sequence's
+The rules (llama/model.py's module docstring), kept per sequence: a checkpoint is the sequence's
 recurrent state (`llama_state_seq_get_data_ext(ctx, buf, size, seq, PARTIAL_ONLY)`: for a hybrid, without its
 attention cells) in a buffer of its own; a plane is selected at most once per decode, within the rows the
 sequence had in the decode just made.
@@ -13,6 +14,7 @@ import ctypes
 import time
 from typing import Iterable, Sequence
 
+from localspec.errors import DecodeError
 from localspec.llama.lib import ll as _ll
 
 
@@ -119,3 +121,26 @@ class SeqStates:
         self._rolled[seq] = False
         if restore:
             self.restores[seq] += 1
+
+
+def roll_back(states: SeqStates, mem, seq: int, n_keep: int, kind: str, rs_seq: int, name: str) -> None:
+    """Cut sequence `seq` of a context (memory `mem`), decoded up to states.done[seq] (a recurrent state) or holding
+    more than n_keep > 0 tokens (a KV cache), back to n_keep by the model's rollback kind: "kv" removes the cells;
+    "rs" selects a plane where the last decode allows it (SeqStates.can_select); otherwise (and for "checkpoint" and
+    "none") the sequence's checkpoint at or before n_keep is restored, or without one the sequence is cleared.
+    Afterwards a recurrent sequence's state is at states.done[seq]: the tokens from there to n_keep are the replay
+    the caller decodes again (at once, or with the next decode)."""
+    if kind == "kv":
+        if not _ll.llama_memory_seq_rm(mem, seq, n_keep, -1):
+            raise DecodeError(f"{name}: llama.cpp cannot remove KV entries of sequence {seq} from position {n_keep}")
+        return
+    if n_keep == 0:
+        _ll.llama_memory_seq_rm(mem, seq, -1, -1)
+        states.cleared(seq)
+        return
+    if (kind == "rs" and states.can_select(seq, states.done[seq] - n_keep, rs_seq)
+            and _ll.llama_memory_seq_rm(mem, seq, n_keep, -1)):
+        states.selected(seq, n_keep)
+    elif not states.restore(seq, n_keep, mem):  # no usable checkpoint: from the start
+        _ll.llama_memory_seq_rm(mem, seq, -1, -1)
+        states.cleared(seq, restore=True)

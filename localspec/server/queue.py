@@ -1,12 +1,13 @@
 """Generations on one worker thread (the engine is not thread-safe); requests wait in a bounded queue (full: 503 with
 Retry-After). A client that goes away cancels its generation within one decoding step.
 
-parallel 1: one generation at a time, in turn (the Engine). parallel N > 1: up to N requests decoded together by a
-BatchEngine (core/batch.py: one llama_decode a step over every active slot); requests join between steps, in the
-order they came; a draft head's request (method eagle3, dflash, mtp) drafts in its slot like any other. A request
-the batch cannot take (BatchEngine.single_reason: a model whose state llama.cpp cannot roll back) waits until the
-running ones are done, then runs alone on the Engine; requests behind it wait behind it (first come, first served).
-A cancelled request (its client went away) leaves its slot at the next step; the others go on unchanged."""
+One loop steps one scheduler (core/batch.py's BatchEngine): at parallel 1 the target's own context, one generation
+at a time in turn; at parallel N > 1 N slots decoded together (one llama_decode a step over every active slot).
+Requests join between steps, in the order they came; a draft head's request (method eagle3, dflash, mtp) drafts in
+its slot like any other. A request the batch cannot take (BatchEngine.single_reason: a draft model whose state
+llama.cpp cannot roll back) waits until the running ones are done, then runs alone on the target's own context (the
+same scheduler with one slot); requests behind it wait behind it (first come, first served). A cancelled request
+(its client went away) leaves its slot at the next step; the others go on unchanged."""
 
 from __future__ import annotations
 
@@ -64,11 +65,13 @@ class Worker:
             raise UsageError(f"queue size must be >= 1, got {queue_size}")
         if parallel < 1:
             raise UsageError(f"--parallel must be >= 1, got {parallel}")
-        self.batch = None  # the BatchEngine (parallel > 1)
+        from localspec.core.batch import BatchEngine
+
+        # the target's own context: every request at parallel 1, and one the batch cannot take (single_reason)
+        self.alone = BatchEngine(session.engine, 1, own_context=True)
+        self.batch = self.alone  # the scheduler requests share
         self.parallel = 1
         if parallel > 1:
-            from localspec.core.batch import BatchEngine
-
             try:
                 self.batch = BatchEngine(session.engine, parallel, layout=kv_layout, speculative=speculative)
                 self.parallel = parallel
@@ -77,10 +80,10 @@ class Worker:
         try:
             self._prepare(session, log)
         except BaseException:  # Ctrl-C while it probes: the batch's context goes before the session frees the model
-            if self.batch is not None:
-                self.batch.close()
+            self.batch.close()
             raise
-        self.running: list[Job] = []  # jobs in the batch's slots
+        self.running: list[Job] = []  # jobs in the scheduler's slots
+        self._joining: list[Job] = []  # jobs taken from the queue, started once the generation slot is held
         self.session = session
         self.queue_size = queue_size
         self.log = log
@@ -88,13 +91,11 @@ class Worker:
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.waiting = 0  # queued, not started
-        self.current: Job | None = None
         self.closing = False  # shutting down: no new work, open requests answered "shutting down"
         self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "rejected": 0, "client_error": 0}
         self.recent_s: deque = deque(maxlen=16)  # durations of recent generations (for Retry-After)
-        self._held: Job | None = None  # a job for the single-sequence path, waiting for the batch to empty
-        self._thread = threading.Thread(target=self._run if self.batch is None else self._run_batched,
-                                        name="localspec-serve", daemon=True)
+        self._held: Job | None = None  # a job that runs alone, waiting for the batch to empty
+        self._thread = threading.Thread(target=self._run, name="localspec-serve", daemon=True)
         self._thread.start()
 
     def _prepare(self, session, log: Callable[[str], None]) -> None:
@@ -102,9 +103,10 @@ class Worker:
         ready: the batch exactness probe (--parallel N > 1; it clears the caches and --kv-layout auto chooses
         there) and the verify-cost curve the speculation is priced on. Both are cached per model file and llama.cpp
         build, so only a first start measures, and says so."""
-        from localspec.core import exactness as X
+        from localspec.core import verify_cost
 
-        engine, batch = session.engine, self.batch
+        engine = session.engine
+        batch = None if self.batch.alone else self.batch
         if batch is not None:
             try:
                 if not batch.probe_cached():
@@ -127,7 +129,7 @@ class Worker:
         if (batch is None and (method == "none" or cfg.k <= 0 or not adaptive)) or \
                 knobs().no_cost_calibration:
             return
-        if not X.verify_costs_cached(engine.target, upto):
+        if not verify_cost.verify_costs_cached(engine.target, upto):
             log("localspec serve: measuring what a verify batch costs here (once per model and llama.cpp build)")
         try:
             if batch is not None:
@@ -173,7 +175,7 @@ class Worker:
         requests get a 503. Called on the event loop's thread."""
         with self._lock:
             self.closing = True
-            jobs = [j for j in (self.current, self._held, *self.running) if j is not None]
+            jobs = [j for j in (self._held, *self._joining, *self.running) if j is not None]
         for job in jobs:
             if not job.cancel.is_set():
                 job.post(shutting_down())  # queued on the loop before the generation's own "cancelled" end
@@ -183,84 +185,70 @@ class Worker:
     def stop(self, timeout: float = 30.0) -> bool:
         """Cancel the running and queued generations and end the thread; True when it ended."""
         with self._lock:
-            for job in (self.current, self._held, *self.running):
+            for job in (self._held, *self._joining, *self.running):
                 if job is not None:
                     job.cancel.set()
         self._drain()
         self._q.put(None)
         self._thread.join(timeout)
         ended = not self._thread.is_alive()
-        if ended and self.batch is not None:
+        if ended:
             self.batch.close()  # before the session frees the model it lives on
-            self.batch = None
+            self.alone.close()
         return ended
 
     @property
     def kv_layout(self) -> str:
         """Where the batch's slots keep their KV: "split", "unified", "auto" (not chosen yet: before the probe), or
-        "single" (no batch: one generation at a time)."""
-        return self.batch.layout if self.batch is not None else "single"
+        "single" (the target's own context: one generation at a time)."""
+        return self.batch.layout
 
     @property
     def active(self) -> int:
-        """Generations running now (batch slots in use, or the one single-sequence generation)."""
-        return len(self.running) + (1 if self.current is not None else 0)
+        """Generations running now (slots in use)."""
+        return len(self.running)
 
     def _run(self) -> None:
-        while True:
-            job = self._q.get()
-            if job is None:
-                return
-            with self._lock:
-                self.waiting -= 1
-                self.current = job
-            try:
-                self._one(job)
-            finally:
-                with self._lock:
-                    self.current = None
-
-    # ------------------------------------------------------------ parallel > 1
-    def _run_batched(self) -> None:
-        batch = self.batch
         stopping = False
         with contextlib.ExitStack() as slot:
             holding = False  # the machine-wide generation slot (session.generation_slot), while anything runs
             while True:
-                if not stopping and not self._admit(block=not self.running):
+                if not stopping and not self._admit(block=not (self.running or self._joining)):
                     stopping = True  # stop(): the running jobs are cancelled; end them, then return
                 if stopping and not self.running:
-                    if self._held is not None:
-                        self._held = None
+                    for job in [*self._joining, *([self._held] if self._held is not None else [])]:
                         self._count("cancelled")
+                    self._joining, self._held = [], None
                     return
-                if not holding and (self.running or self._held is not None):
+                if not holding and (self.running or self._joining or self._held is not None):
                     slot.enter_context(S.generation_slot(waiting=self.log))
                     holding = True
+                while self._joining:
+                    self._start(self._joining.pop(0), self.batch)
                 if self._held is not None and not self.running:
                     job, self._held = self._held, None
-                    with self._lock:
-                        self.current = job
+                    self._start(job, self.alone)
+                if self.running:
+                    sched = self._stepping()
                     try:
-                        self._one(job, slot_taken=True)
-                    finally:
-                        with self._lock:
-                            self.current = None
-                elif self.running:
-                    try:
-                        batch.step()
-                    except Exception as exc:  # a failed decode fails the requests in the batch, not the worker
-                        self._fail_batch(exc)
+                        sched.step()
+                    except Exception as exc:  # a failed decode fails the requests in the step, not the worker
+                        self._fail_all(sched, exc)
                     with self._lock:
                         self.running = [j for j in self.running if not j.done]
                 if holding and not self.running and self._held is None and self._q.empty():
                     slot.close()
                     holding = False
 
+    def _stepping(self):
+        """The scheduler whose requests run now: the batch's, or the one running alone."""
+        return self.alone if self.alone.active else self.batch
+
     def _admit(self, block: bool) -> bool:
-        """Move queued jobs into free slots (blocking for the first one when nothing runs). False: stop."""
+        """Move queued jobs into the free slots (blocking for the first one when nothing runs); they start once the
+        generation slot is held. False: stop."""
         batch = self.batch
-        while self._held is None and batch.free:
+        while self._held is None and self._stepping() is batch and len(self._joining) < batch.free:
             try:
                 job = self._q.get(timeout=None) if block else self._q.get_nowait()
             except queue.Empty:
@@ -274,21 +262,36 @@ class Worker:
                 self._count("cancelled")
                 continue
             try:
-                if batch.single_reason(job.cfg):
-                    self._held = job  # runs alone once the batch is empty
-                    return True
-                tokens = job.build(self.session.engine)
-                job.started = time.perf_counter()
-                on_event = self._events(job)
-                batch.submit(tokens, job.cfg, cancel=job.cancel).listen(
-                    lambda ev, job=job, on_event=on_event: self._batched_event(job, ev, on_event))
+                single = batch.single_reason(job.cfg)
             except Exception as exc:
                 self._failed(job, exc)
                 self.recent_s.append(0.0)
                 continue
+            if single:
+                self._held = job  # runs alone once the batch is empty
+                return True
+            self._joining.append(job)
+        return True
+
+    def _start(self, job: Job, sched) -> None:
+        """The job's request joins `sched`: its prompt built, its events passed on to its client."""
+        if job.cancel.is_set():  # the client left while it waited
+            self._count("cancelled")
+            return
+        try:
+            tokens = job.build(self.session.engine)
+            job.started = time.perf_counter()
+            on_event = self._events(job)
             with self._lock:
                 self.running.append(job)
-        return True
+            sched.submit(tokens, job.cfg, cancel=job.cancel).listen(
+                lambda ev, job=job, on_event=on_event: self._batched_event(job, ev, on_event))
+        except Exception as exc:
+            with self._lock:
+                if job in self.running:
+                    self.running.remove(job)
+            self._failed(job, exc)
+            self.recent_s.append(0.0)
 
     def _events(self, job: Job) -> Callable:
         """What happens with each event of a job's Response, batched or alone: posted to its client's stream, timed
@@ -318,8 +321,8 @@ class Worker:
         if job.done:
             self.recent_s.append(time.perf_counter() - job.started)
 
-    def _fail_batch(self, exc: Exception) -> None:
-        self.batch.fail_all()
+    def _fail_all(self, sched, exc: Exception) -> None:
+        sched.fail_all()
         for job in self.running:
             if not job.done:
                 job.done = True
@@ -343,24 +346,6 @@ class Worker:
             self.log("localspec serve: generation failed:\n" + "".join(
                 traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip())
             job.post(APIError(500, f"internal error: {type(exc).__name__}"))
-
-    # ------------------------------------------------------------ one generation on the Engine
-    def _one(self, job: Job, slot_taken: bool = False) -> None:
-        if job.cancel.is_set():  # the client left while queued
-            self._count("cancelled")
-            return
-        t0 = time.perf_counter()
-        engine = self.session.engine
-        on_event = self._events(job)
-        try:
-            tokens = job.build(engine)
-            with (contextlib.nullcontext() if slot_taken else S.generation_slot(waiting=self.log)):
-                for ev in engine.respond(tokens, job.cfg, cancel=job.cancel).events():
-                    on_event(ev)
-        except Exception as exc:  # the request's error, or a bug (which must not kill the worker)
-            on_event(exc)
-        finally:
-            self.recent_s.append(time.perf_counter() - t0)
 
 
 class ClientGone(Exception):
