@@ -146,16 +146,18 @@ class Generation:
     element is the pending token once the first one is emitted). Not thread-safe: its scheduler's thread only."""
 
     def __init__(self, target, prompt: list[int], cfg, policy, stats, *, bias: np.ndarray | None, sink: Callable,
-                 cancel=None, t0: float | None = None) -> None:
+                 cancel=None, t0: float | None = None, clock: Callable[[], float] | None = None) -> None:
         """bias: check_bias(cfg, ...), which the scheduler calls before any work (a bias that bans every token is
-        the request's error)."""
+        the request's error). clock: what its times are read from (default time.perf_counter; a simulated target's
+        clock in bench/simulate.py)."""
         self.target = target
         self.cfg = cfg
         self.policy = policy
         self.stats = stats
         self.sink = sink
         self.cancel = cancel
-        self.t0 = time.perf_counter() if t0 is None else t0
+        self.clock = clock or time.perf_counter
+        self.t0 = self.clock() if t0 is None else t0
         self.context = prompt
         self.out: list[int] = []
         self.text = TextAssembler(cfg.stop)
@@ -188,7 +190,7 @@ class Generation:
             first = NO_TOKEN
         else:
             first = int(np.argmax(row)) if sp.greedy else sample(probs(row, sp), self.source())
-        self.stats.ttft_s = time.perf_counter() - self.t0
+        self.stats.ttft_s = self.clock() - self.t0
         self._take([(first, False)], [row])
 
     def plan(self, room: int, budget: int | None = None) -> tuple[Any, int] | None:
@@ -217,7 +219,7 @@ class Generation:
     def propose(self, drafter, k: int, shared_s: float = 0.0) -> list[int]:
         """Draft for this step; returns the rows to decode: the pending token, then the drafts. shared_s: this
         request's share of a draft decode made for several requests at once (batch_draft)."""
-        td = time.perf_counter()
+        td = self.clock()
         proposal = drafter.propose(self.context, k, self.sp_draft, self.source()) if (drafter is not None and k > 0) \
             else Proposal()
         if len(proposal.tokens) > k:  # the step's rows were planned for k drafts: a longer proposal is cut there
@@ -230,7 +232,7 @@ class Generation:
         masks = None
         if self.cfg.constraint is not None:  # each verify row masked by the grammar state after the drafts before it
             proposal, masks = grammar_masks(self.cfg.constraint, proposal)
-        t_draft = time.perf_counter() - td + shared_s
+        t_draft = self.clock() - td + shared_s
         self.stats.draft_s += t_draft
         self.step = Step(drafter, k, proposal, masks, None if proposal.catch_up_s > 0.0 else t_draft)
         return [self.context[-1], *proposal.tokens]
@@ -269,7 +271,7 @@ class Generation:
         replay_s = truncate(step.base + 1 + n_acc)
         if drafter is not None and gamma:
             drafter.accept(gamma, n_acc)
-        cost = share + (replay_s or 0.0) if share is not None else time.perf_counter() - t_start
+        cost = share + (replay_s or 0.0) if share is not None else self.clock() - t_start
         st.verify_s += cost
         if not gamma:
             st.plain_s += cost
@@ -303,7 +305,7 @@ class Generation:
             return
         self._settled = True
         st = self.stats
-        st.elapsed_s = time.perf_counter() - self.t0
+        st.elapsed_s = self.clock() - self.t0
         st.running = False
         st.reason = "; ".join(x for x in (st.reason, self.policy.reason()) if x)
 
