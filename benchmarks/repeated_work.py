@@ -121,7 +121,7 @@ def record(args) -> int:
     """The series' plain greedy answers as traces (benchmarks/data/repeated_work_traces.json was made so)."""
     os.environ["LOCALSPEC_SUFFIX_CACHE"] = "0"  # plain answers: nothing to draft from, nothing to add to the user's cache
     sys.path.insert(0, str(ROOT))
-    from localspec.bench.replay import record as record_traces
+    from localspec.bench.traces import record as record_traces
     from localspec.core.engine import Engine
 
     engine = Engine.load(args.target, n_ctx=4096, threads=args.threads)
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None, help="write every run as JSON lines here")
     ap.add_argument("--record", type=Path, default=None,
                     help="instead: record the series' greedy answers as replay traces here (ids N-GROUP; replay "
-                         "them with `python -m localspec.bench.replay FILE --series`)")
+                         "them with `localspec replay FILE --series`)")
     args = ap.parse_args()
     if args.record:
         return record(args)

@@ -401,7 +401,7 @@ def test_a_stored_tune_result_applies_only_with_the_draft_it_was_measured_with(t
 
 
 def _replay(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "localspec.bench.replay", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "localspec", "replay", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -53,12 +53,15 @@ def suffix_over(text):
 
 
 def test_a_replayed_chain_pays_for_its_models_tokens_only():
+    """A recorded draft model's tokens cost its draft cost on the replay's clock; the suffix drafter's are free."""
     ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
-    model = Scripted([4, 5])
-    model.draft_cost = 0.5
+    clock = R.SimClock()
+    model = R.RecordedDrafter("draft", len(ctx) - 1, [[4, 5]], 0.5, clock)
     chain = ChainedDrafter(model, suffix_over(ctx))
     assert len(chain.propose(ctx, 6, SamplingParams(), None).tokens) == 6
-    assert R._draft_cost(chain, 6) == 1.0 and R._draft_cost(model, 2) == 1.0
+    assert clock() == pytest.approx(2 * 0.5 * R.T1)
+    model.propose(ctx, 2, SamplingParams(), None)
+    assert clock() == pytest.approx(2 * 2 * 0.5 * R.T1)
 
 
 def test_the_chain_continues_the_models_drafts_from_the_suffix_index():

@@ -1,6 +1,8 @@
 """bench/replay.py: the controller replayed on recorded Qwen2.5-Coder-1.5B answers (benchmarks/data/qwen_coder_traces.json): which
 drafts it asks for and how many the target accepts follow from the recorded greedy tokens, and each step costs
-T(b)/T(1) from a machine's verify curve, so these figures are exact and the same every run (no timing)."""
+T(b)/T(1) from a machine's verify curve, so these figures are exact and the same every run (no timing). The replay is
+the real loop (Generation and the policy) over a simulated target: on a tiny model it makes the real run's choices,
+step by step."""
 
 import math
 from pathlib import Path
@@ -9,6 +11,7 @@ import pytest
 
 from localspec.bench import replay as R
 from localspec.drafters.suffix import Doc
+from helpers import run_main
 
 TRACES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "qwen_coder_traces.json")
 
@@ -164,21 +167,20 @@ def test_leviathan_bound_from_the_recorded_acceptance():
     assert R.leviathan(a, 4, R.CURVES["avx2"], 0.0) < R.leviathan(a, 4, R.CURVES["flat"], 0.0)
 
 
-def test_proposals_of_the_wrong_shape_are_refused_in_one_line(tmp_path, capsys):
+def test_proposals_of_the_wrong_shape_are_refused_in_one_line(tmp_path, capsys, monkeypatch):
     import json
 
     tr = synthetic_trace()
     tr["proposals"]["draft"] = tr["proposals"]["draft"][:-1]
     path = tmp_path / "t.json"
     path.write_text(json.dumps([tr]))
-    assert R.main([str(path)]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and "proposals['draft']" in err and err.count("\n") == 1
+    code, _, err = run_main(["replay", str(path)], capsys, monkeypatch)
+    assert code == 2 and err.startswith("error: ") and "proposals['draft']" in err and err.count("\n") == 1
     path.write_text(json.dumps([synthetic_trace()]))
-    assert R.main([str(path), "--draft-cost", "-1"]) == 2
-    assert "--draft-cost" in capsys.readouterr().err
-    assert R.main([str(path), "--curve", "flat"]) == 0
-    out = capsys.readouterr().out
+    code, _, err = run_main(["replay", str(path), "--draft-cost", "-1"], capsys, monkeypatch)
+    assert code == 2 and "--draft-cost" in err
+    code, out, _ = run_main(["replay", str(path), "--curve", "flat"], capsys, monkeypatch)
+    assert code == 0
     assert "draft k=4" in out and "auto+draft (lossless)" in out
     assert "draft: acceptance per drafted token" in out and "Leviathan bound at draft cost 0.100" in out
 
@@ -250,7 +252,7 @@ def test_auto_leaves_the_bit_cap_at_once_where_a_wider_verify_costs_next_to_noth
         assert min(ratio.values()) >= 0.97, (n, {i: round(v, 3) for i, v in ratio.items()})
 
 
-def test_a_series_caches_each_answer_for_the_requests_after_it(capsys):
+def test_a_series_caches_each_answer_for_the_requests_after_it(capsys, monkeypatch):
     """--series: the recorded repeated-work series (benchmarks/repeated_work.py) as one user's requests in order. The
     first request has nothing cached (auto as without a cache); a prompt sent again drafts its earlier answer."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "repeated_work_traces.json"
@@ -266,8 +268,8 @@ def test_a_series_caches_each_answer_for_the_requests_after_it(capsys):
         return (sum(runs[name][i][0] for i in ids) / sum(runs[name][i][1] for i in ids)) / \
             (sum(runs["plain"][i][0] for i in ids) / sum(runs["plain"][i][1] for i in ids))
     assert speedup("auto", again) > 1.5 > speedup("auto, no cache", again)
-    assert R.main([str(path), "--series", "--curve", "epyc"]) == 0
-    out = capsys.readouterr().out
+    code, out, _ = run_main(["replay", str(path), "--series", "--curve", "epyc"], capsys, monkeypatch)
+    assert code == 0
     assert "again" in out and "describe" in out and "auto, no cache" in out
 
 
@@ -421,3 +423,83 @@ def test_auto_keeps_the_speed_rule_per_bench_category(curve_name):
     low = {c: (round(plain[c] / auto[c], 3), round(native[c] / auto[c], 3)) for c in plain
            if auto[c] > plain[c] / 0.97 or auto[c] > native[c] / 0.97}
     assert not low, low
+
+
+# ---------------------------------------------------------------- the replay against a real run
+def copying_prompts(engine) -> list[dict]:
+    """Prompts holding stretches of the tiny target's own answer (its greedy chain), whole, with gaps, and in bits:
+    prompt lookup matches there, is right for a while and then wrong, so `auto` has choices to make."""
+    chain = R.record(engine, [{"id": "chain", "prompt": "Once upon a time"}], max_tokens=100)[0]["output"]
+
+    def text(tokens):
+        return engine.target.detokenize(tokens)
+
+    return [{"id": "copy", "prompt": text(chain[:60])},
+            {"id": "gaps", "prompt": text(chain[:12] + chain[30:45] + chain[70:80])},
+            {"id": "bits", "prompt": " ".join(text(chain[i:i + 3]) for i in range(0, 90, 9))}]
+
+
+def log_plans(monkeypatch) -> list:
+    """From now on every (drafter name, k) a Generation plans (None, k for a plain step) is appended to the list that
+    is last in the list returned: append a new list to start a new log."""
+    from localspec.core.generation import Generation
+
+    logs, plan = [[]], Generation.plan
+
+    def logged(self, room, budget=None):
+        chosen = plan(self, room, budget)
+        if chosen is not None:
+            drafter, k = chosen
+            logs[-1].append((drafter.name if drafter is not None and k else None, k))
+        return chosen
+
+    monkeypatch.setattr(Generation, "plan", logged)
+    return logs
+
+
+@pytest.mark.parametrize("curve_name,bit_cap", [("avx2", 2), ("avx512", 2), ("flat", 2), ("epyc", None),
+                                                ("flat", None)])
+def test_the_replay_makes_the_choices_of_a_real_run_step_by_step(target_path, fresh_suffix_cache, monkeypatch,
+                                                                  curve_name, bit_cap):
+    """The tiny target's answers recorded (R.record), then decoded by `localspec run`'s own path with `auto`
+    (Engine.complete), its clock simulated: each target decode of b rows costs T(b) on the curve, the verify curve
+    it prices by is that curve, and the probe caps k at `bit_cap` (exactness auto; None: lossless). The replay of each
+    recorded answer under `auto` plans the same drafter and k at every step, and ends at the same counts."""
+    import time
+
+    from localspec.core.engine import Engine, GenConfig
+    from localspec.drafters.suffix import private_scope
+
+    curve = R.CURVES[curve_name]
+    engine = Engine.load(target_path, n_ctx=1024)
+    try:
+        traces = R.record(engine, copying_prompts(engine), max_tokens=80)
+        clock = R.SimClock()
+        monkeypatch.setattr(time, "perf_counter", clock)
+        decode = engine.target.decode
+
+        def timed(tokens, *args, **kw):
+            clock.advance(R.step_cost(curve, len(tokens)))
+            return decode(tokens, *args, **kw)
+
+        monkeypatch.setattr(engine.target, "decode", timed)
+        monkeypatch.setattr(engine, "verify_costs", lambda upto: dict(curve))
+        monkeypatch.setattr(engine, "exact_k", lambda k, cancel=None: min(k, bit_cap or k))
+        exactness = "lossless" if bit_cap is None else "auto"
+        drafted, switched, logs = 0, 0, log_plans(monkeypatch)
+        for tr in traces:
+            logs.append(real := [])
+            engine.controller_state = None  # a first request: nothing learnt yet
+            engine.suffix_scope = private_scope()  # ... and no earlier request cached
+            fin = engine.complete(tr["prompt"], GenConfig(method="auto", k=4, max_tokens=80, exactness=exactness))
+            assert fin.tokens == tr["output"] and fin.finish_reason == "length", tr["id"]
+            logs.append(replayed := [])
+            r = R.replay(tr, R.auto(curve, 4, bit_cap), curve)
+            assert replayed == real, tr["id"]
+            st = fin.stats
+            assert (r["steps"], r["drafted"], r["accepted"]) == (st.target_passes, st.drafted, st.accepted), tr["id"]
+            drafted += st.drafted
+            switched += bool(r["switched"])
+        assert drafted > 0 and (bit_cap is None or curve_name == "avx2" or switched)  # there were choices to make
+    finally:
+        engine.close()

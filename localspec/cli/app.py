@@ -19,6 +19,7 @@ from localspec.cli import config as config_cmds
 from localspec.cli import doctor as doctor_cmd
 from localspec.cli import history as history_cmds
 from localspec.cli import models as models_cmds
+from localspec.cli import replay as replay_cmd
 from localspec.cli import run as run_cmd
 from localspec.cli import serve as serve_cmd
 from localspec.cli import stop_during_start_up
@@ -70,12 +71,13 @@ app.command()(doctor_cmd.doctor)
 app.command()(chat_cmd.chat)
 app.command()(bench_cmds.bench)
 app.command()(bench_cmds.tune)
+app.command(epilog=replay_cmd.EPILOG)(replay_cmd.replay)
 app.command(epilog=worker_cmd.EPILOG)(worker_cmd.worker)
 app.add_typer(history_cmds.history_app, name="history")
 app.command(epilog=serve_cmd.EPILOG)(serve_cmd.serve)
 app.add_typer(cache_cmds.cache_app, name="cache")
 
-COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "worker", "history", "serve", "cache"}
+COMMANDS = {"run", "chat", "models", "doctor", "config", "bench", "tune", "replay", "worker", "history", "serve", "cache"}
 
 
 def _on_signal(signum, frame) -> None:
