@@ -94,14 +94,15 @@ class SimTarget:
 class Setup:
     """A request as the replay starts it, as the front ends resolve it into settings: the method and k asked for,
     the k its exactness allows (`bit_cap`: exactness auto with the probe's cap, k within it bit-exact until auto
-    leaves it; None: lossless, k uncapped) and the drafters it has, made afresh for each trace and simulated clock
-    by `drafters(trace, clock)`. The policy is core/policy.py's build_policy's for those settings, pricing a verify by
+    leaves it; None: lossless, k uncapped) and the drafters it has, made afresh for each request by
+    `drafters(cfg, trace, clock)`. The policy is core/policy.py's build_policy's for those settings, pricing a verify by
     `prices` (a verify curve; None: the one the replay's steps cost). Called, a Setup makes that policy (trace and clock
     optional)."""
 
     method: str
     k: int = 0
-    drafters: Callable[[dict | None, SimClock | None], dict[str, Drafter]] = field(default=lambda tr, clock: {})
+    drafters: Callable[[GenConfig, dict | None, SimClock | None], dict[str, Drafter]] = \
+        field(default=lambda cfg, tr, clock: {})
     bit_cap: int | None = None
     prices: dict[int, float] | None = None
 
@@ -122,7 +123,7 @@ class Setup:
         """The request's settings, policy and stats, as a scheduler's start makes them."""
         cfg = self.config(max_tokens)
         k, level = self.exactness()
-        drafters = self.drafters(trace, clock) if k else {}
+        drafters = self.drafters(cfg, trace, clock) if k else {}
         prices = self.prices if self.prices is not None else curve
         policy, label = build_policy(cfg, self.method if drafters else "none", k, drafters, {},
                                      (lambda upto: dict(prices)) if prices is not None else None)
