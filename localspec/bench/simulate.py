@@ -18,8 +18,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from localspec.core.config import GenConfig
-from localspec.core.generation import Generation, new_stats
+from localspec.core.generation import Generation, new_stats, speculates
 from localspec.core.policy import Policy, build_policy
+from localspec.defaults import AUTO_MIN_BIT_K, MAX_K
 from localspec.drafters.base import Drafter, Proposal
 
 # T(b)/T(1) for b = 1..9 rows, Qwen2.5-Coder-1.5B Q4_K_M with 2 threads (localspec's calibration on each machine)
@@ -110,11 +111,11 @@ class Setup:
         return GenConfig(method=self.method, k=self.k, max_tokens=max_tokens,
                          exactness="lossless" if self.bit_cap is None else "auto")
 
-    def exactness(self) -> tuple[int, str]:
-        """(k, level): what Engine.exactness_for answers for these settings."""
-        if self.method == "none" or self.k <= 0:
+    def exactness(self, cfg: GenConfig) -> tuple[int, str]:
+        """(k, level) as Engine.exactness_for answers them where the probe's cap is `bit_cap`."""
+        if not speculates(cfg, self.method):
             return 0, "bit"
-        if self.bit_cap is None:
+        if self.bit_cap is None or self.bit_cap < min(AUTO_MIN_BIT_K, self.k):
             return self.k, "lossless"
         return min(self.k, self.bit_cap), "bit"
 
@@ -122,7 +123,7 @@ class Setup:
               max_tokens: int = 1) -> tuple[GenConfig, Policy, object]:
         """The request's settings, policy and stats, as a scheduler's start makes them."""
         cfg = self.config(max_tokens)
-        k, level = self.exactness()
+        k, level = self.exactness(cfg)
         drafters = self.drafters(cfg, trace, clock) if k else {}
         prices = self.prices if self.prices is not None else curve
         policy, label = build_policy(cfg, self.method if drafters else "none", k, drafters, {},
@@ -137,7 +138,7 @@ def _bare(make: Callable, trace: dict, max_tokens: int) -> tuple[GenConfig, Poli
     """A policy made by a plain callable (no Setup): decoded at lossless, with the k it asks for each step."""
     policy = make(trace) if getattr(make, "wants_trace", False) else make()
     k = max(1, getattr(policy, "k_max", getattr(policy, "k", 0)) or 0)
-    cfg = GenConfig(method="auto", k=min(k, 64), max_tokens=max_tokens, exactness="lossless")
+    cfg = GenConfig(method="auto", k=min(k, MAX_K), max_tokens=max_tokens, exactness="lossless")
     return cfg, policy, new_stats(cfg, "auto", cfg.k, "lossless", "")
 
 
