@@ -464,7 +464,8 @@ def test_the_replay_makes_the_choices_of_a_real_run_step_by_step(target_path, fr
     """The tiny target's answers recorded (R.record), then decoded by `localspec run`'s own path with `auto`
     (Engine.complete), its clock simulated: each target decode of b rows costs T(b) on the curve, the verify curve
     it prices by is that curve, and the probe caps k at `bit_cap` (exactness auto; None: lossless). The replay of each
-    recorded answer under `auto` plans the same drafter and k at every step, and ends at the same counts."""
+    recorded answer under `auto` plans the same drafter and k at every step, and ends at the same counts and the
+    same simulated seconds."""
     import time
 
     from localspec.core.engine import Engine, GenConfig
@@ -498,6 +499,7 @@ def test_the_replay_makes_the_choices_of_a_real_run_step_by_step(target_path, fr
             assert replayed == real, tr["id"]
             st = fin.stats
             assert (r["steps"], r["drafted"], r["accepted"]) == (st.target_passes, st.drafted, st.accepted), tr["id"]
+            assert (len(tr["output"]) - 1) / r["rate"] == pytest.approx(st.verify_s + st.draft_s), tr["id"]  # same time
             drafted += st.drafted
             switched += bool(r["switched"])
         assert drafted > 0 and (bit_cap is None or curve_name == "avx2" or switched)  # there were choices to make
