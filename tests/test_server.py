@@ -203,11 +203,12 @@ def test_body_too_large_is_413(served):
 
 
 def test_a_crashing_generation_is_500_and_the_worker_survives(served, monkeypatch):
+    from localspec.core.batch import BatchEngine
+
     def boom(*a, **k):
         raise RuntimeError("secret internals")
-        yield  # pragma: no cover
 
-    monkeypatch.setattr(served.session.engine, "generate", boom)
+    monkeypatch.setattr(BatchEngine, "step", boom)
     status, _, data = served.raw("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
     assert status == 500 and data["error"]["message"] == "internal error: RuntimeError"
     monkeypatch.undo()

@@ -137,6 +137,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
         self._curve: dict[int, float] | None = None  # the target's T(b)/T(1), once asked for
         self._ratios: dict[tuple, dict[int, float]] = {}  # (generating slots, unified) -> a slot's verify prices
         self._prefill_rate: float | None = None  # prompt rows decoded per second, measured (_prefill_limit)
+        self._decoding_since = 0.0  # when the step's decode began (alone, a step's cost is its wall time)
         self.steps = 0  # batched decodes so far
         self.rows = 0  # rows in them
         self._states_key = ""
@@ -358,7 +359,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
         """One llama_decode of `parts` (rows of the slots in `owners`), verified and prefilled. Returns its rows."""
         self._note_shapes(parts, owners)
         total = sum(len(p[1]) for p in parts)
-        t0 = time.perf_counter()
+        t0 = self._decoding_since = time.perf_counter()
         outs = self.ms.decode(parts, copy=False)  # used before the next decode
         dt = time.perf_counter() - t0
         hooks = self.heads.after_decode(parts)  # the heads read the slots' hidden states before the next decode
@@ -373,7 +374,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
             if run.step is None:
                 self._prefilled(run, part[1], rows, share)
             else:
-                self._verified(run, rows, share, dt / total, t0)
+                self._verified(run, rows, share, dt / total)
         # the step's rollbacks that restored a checkpoint: their replays, every slot's in one decode
         self.ms.flush()
         if self.drafts is not None:
@@ -397,7 +398,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
         run.stats.prompt_s = time.perf_counter() - run.t0
         run.guarded(run.start, rows[0])
 
-    def _verified(self, run: _Run, rows, share: float, per_row: float, t0: float) -> None:
+    def _verified(self, run: _Run, rows, share: float, per_row: float) -> None:
         # past the drafts' rows: padding (_pad), rolled back with the rejected rows
         def cut(n: int) -> float:
             """Roll back; what the replay it leaves (a recurrent state's restore) will cost, at this decode's time
@@ -407,7 +408,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
             return per_row * self.ms.pending(run.seq)
 
         if self.alone:  # nothing shares the step: its cost is its wall time since the decode began
-            run.guarded(run.verified, rows, cut, t_start=t0)
+            run.guarded(run.verified, rows, cut, t_start=self._decoding_since)
         else:
             run.guarded(run.verified, rows, cut, share=share)
 
