@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from localspec.errors import DecodeError, IncompatibleDraftError, ModelLoadError
-from localspec.llama import ext, ggml, lib
+from localspec.llama import ext, ggml, gguf_keys, lib
 from localspec.llama.headarchs import HEAD_ARCHS, LAYER_INP_ARCHS  # noqa: F401 - part of this module's API
 from localspec.llama.model import GGML_TYPES
 
@@ -73,15 +73,10 @@ def n_nextn_of(model_ptr) -> int:
 
 def file_nextn(path: str | os.PathLike) -> int:
     """{arch}.nextn_predict_layers of a GGUF file, read from its header (0: none or unreadable)."""
+    meta = gguf_keys.metadata(path)
     try:
-        import gguf
-
-        r = gguf.GGUFReader(str(path))
-        f = r.fields.get("general.architecture")
-        arch = bytes(f.parts[f.data[0]]).decode() if f is not None else ""
-        n = r.fields.get(f"{arch}.nextn_predict_layers")
-        return int(n.parts[n.data[0]][0]) if n is not None else 0
-    except Exception:
+        return int(meta.get(f"{meta.get('general.architecture', '')}.nextn_predict_layers", 0))
+    except (TypeError, ValueError):
         return 0
 
 
@@ -106,14 +101,8 @@ def target_layer_ids(model_ptr) -> list[int]:
 
 def file_arch(path: str | os.PathLike) -> str | None:
     """general.architecture of a GGUF file, read from its header without loading it (None: unreadable)."""
-    try:
-        import gguf  # the package llama-cpp-python's conversion tools use
-
-        r = gguf.GGUFReader(str(path))
-        f = r.fields.get("general.architecture")
-        return bytes(f.parts[f.data[0]]).decode() if f is not None else None
-    except Exception:
-        return None
+    arch = gguf_keys.metadata(path).get("general.architecture")
+    return arch if isinstance(arch, str) else None
 
 
 class HeadModel:
