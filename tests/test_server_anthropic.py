@@ -85,6 +85,23 @@ def test_a_reused_prompt_is_a_cache_read(open_api):
     assert again.usage.cache_read_input_tokens > 0
 
 
+def test_claude_codes_billing_line_does_not_break_the_reused_prompt(open_api):
+    """Claude Code opens `system` with an `x-anthropic-billing-header: ...; cch=XXXXX;` block whose hash changes with
+    every request: it is dropped, so the system prompt and tools after it are reused from the cache."""
+    c = client(open_api)
+    long = "You are a careful assistant. " * 30
+    def ask(cch: str):
+        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{cch[:3]}; "
+                                           f"cc_entrypoint=cli; cch={cch};"},
+                  {"type": "text", "text": long, "cache_control": {"type": "ephemeral"}}]
+        return c.messages.create(model="x", max_tokens=2, system=system, messages=USER)
+    first, second = ask("36ee5"), ask("0aaa9")
+    plain = c.messages.count_tokens(model="x", system=long, messages=USER).input_tokens
+    assert second.usage.input_tokens + second.usage.cache_read_input_tokens == plain  # the line is not in the prompt
+    assert second.usage.cache_read_input_tokens >= plain - 8  # all but the last few tokens reused
+    assert second.content[0].text == first.content[0].text
+
+
 def test_the_stream_helper_adds_up_to_the_whole_answer(open_api):
     c = client(open_api)
     kw = dict(model="x", max_tokens=8, system="Be brief.", messages=[{"role": "user",

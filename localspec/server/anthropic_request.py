@@ -96,12 +96,28 @@ def user_turn(out: list[dict], text: str) -> None:
         out.append({"role": "user", "content": text})
 
 
+BILLING_LINE = "x-anthropic-billing-header:"
+
+
+def _without_billing_line(system):
+    """`system` without Claude Code's `x-anthropic-billing-header: ...; cch=XXXXX;` line: its hash changes with every
+    request, and at the prompt's start it would make every request's prompt new to the KV cache and the prompt
+    states. It tells the model nothing (Anthropic's own API reads it as a header)."""
+    if isinstance(system, str):
+        first, _, rest = system.partition("\n")
+        return rest if first.startswith(BILLING_LINE) else system
+    if isinstance(system, list):
+        return [b for b in system if not (isinstance(b, dict) and b.get("type") == "text"
+                                          and str(b.get("text", "")).startswith(BILLING_LINE))]
+    return system
+
+
 def messages_of(req: MessagesRequest) -> list[dict]:
     """The chat messages of a Messages request (see the module doc). 400 naming the field for what this server
     cannot read."""
     check(req)
     out = []
-    system = _texts(req.system, "system", "system")
+    system = _texts(_without_billing_line(req.system), "system", "system")
     if system:
         out.append({"role": "system", "content": system})
     if not isinstance(req.messages, list) or not req.messages:
