@@ -44,11 +44,13 @@ def run_json(target_path, draft_path, question: str, *extra: str) -> dict:
 def test_a_second_process_restores_the_prefix_and_answers_as_a_cold_prefill(target_path, draft_path, cache):
     first = run_json(target_path, draft_path, QUESTIONS[0])
     assert first["prompt_tokens"] > 600 and first["cached_prompt_tokens"] == 0 and first["prompt_cache"] == ""
-    # the target's state of the first 512 tokens (n_batch); the draft model's beside it where it caught up
+    # the target's state of the piped text (to a multiple of 64 tokens); the draft model's beside it where it caught up
     kept = len(states(cache))
     assert kept in (1, 2)
     again = run_json(target_path, draft_path, QUESTIONS[1])
-    assert again["prompt_cache"] == "disk" and again["cached_prompt_tokens"] == 512
+    piped = first["prompt_tokens"] - 12  # the question and the blank line before it take fewer than 12 tokens
+    assert again["prompt_cache"] == "disk" and piped // 64 * 64 - 64 <= again["cached_prompt_tokens"] <= piped
+    assert again["cached_prompt_tokens"] > 512  # not only the whole n_batch chunks: the piped text's end too
     cold = run_json(target_path, draft_path, QUESTIONS[1], "--no-prompt-cache")
     assert cold["prompt_cache"] == "" and cold["cached_prompt_tokens"] == 0
     assert again["exactness"] == cold["exactness"] == "bit"
@@ -131,6 +133,71 @@ def test_restored_answers_are_cold_answers_under_bit_with_every_drafter(eng, met
     # in this process the cache holds b and its answer: the next request reuses it from memory
     again, st = _answer(eng, b, method)
     assert st.prompt_cache == "memory" and again == cold
+
+
+@pytest.mark.parametrize("method", ["auto", "draft", "lookup", "ngram", "suffix", "none"])
+def test_a_prompt_split_where_its_shared_part_ends_restores_there_with_every_drafter(eng, method):
+    """GenConfig.shared_upto (`run`'s piped text): the prefill splits there with or without a store, the state is
+    kept there, and the next prompt with the same start and mark restores all of it and answers as a cold prefill."""
+    from localspec.core.engine import GenConfig
+
+    base = eng.target.tokenize(TEXT)
+    mark = len(base) // 64 * 64
+    assert mark > 576 and mark % 512
+    a, b = (base + eng.target.tokenize(q, add_special=False) for q in QUESTIONS)
+
+    def answer(prompt, upto):
+        fin = eng.complete(prompt, GenConfig(method=method, k=4, max_tokens=24, exactness="bit", shared_upto=upto))
+        return fin.tokens, fin.stats
+
+    store, pc = eng.prompt_cache.store, eng.prompt_cache
+    eng.prompt_cache = None
+    _fresh(eng)
+    cold, st = answer(b, len(base))
+    assert st.cached_prompt_tokens == 0
+    eng.prompt_cache = pc
+    _fresh(eng)
+    answer(a, len(base))
+    assert store.has(PS.state_key(eng.target), a[:mark]) and not store.has(PS.state_key(eng.target), a[:512])
+    _fresh(eng)
+    restored, st = answer(b, len(base))
+    assert st.prompt_cache == "disk" and st.cached_prompt_tokens == mark and st.exactness == "bit"
+    assert restored == cold
+    _fresh(eng)  # a prompt without that split never restores its state: its cold prefill has other chunks
+    _, st = answer(b, 0)
+    assert st.cached_prompt_tokens == 0
+
+
+def test_a_prefix_pushed_out_by_another_prompt_is_kept_and_restored(eng):
+    """A prefill cut short (a client that gave up) leaves whole chunks in the cache: when another prompt replaces
+    them, their state is kept first, and the retry restores it and answers as a cold prefill."""
+    base = eng.target.tokenize(TEXT)
+    a = base + eng.target.tokenize(QUESTIONS[0], add_special=False)
+    other = eng.target.tokenize("Once upon a time there was a cat. " * 8)
+    store, pc = eng.prompt_cache.store, eng.prompt_cache
+    eng.prompt_cache = None
+    _fresh(eng)
+    cold, _ = _answer(eng, a, "none")
+    eng.prompt_cache = pc
+    _fresh(eng)
+    eng.target.decode(a[:512], [])  # one whole chunk, then the request was cancelled
+    assert eng.target.cold_upto == 512 and not store.has(PS.state_key(eng.target), a[:512])
+    _answer(eng, other, "none")  # another request takes the context
+    assert store.has(PS.state_key(eng.target), a[:512])
+    _fresh(eng)
+    again, st = _answer(eng, a, "none")
+    assert st.prompt_cache == "disk" and st.cached_prompt_tokens == 512 and again == cold
+
+
+def test_a_prompt_after_one_that_shared_only_its_start_is_kept(eng):
+    """The cache holds another request's prompt that shares a few tokens with this one (a system prompt's first
+    line): the state of this prompt's prefix is still kept, those few tokens decoded again."""
+    base = eng.target.tokenize(TEXT)
+    a = base + eng.target.tokenize(QUESTIONS[0], add_special=False)
+    _fresh(eng)
+    eng.target.decode(a[:20] + eng.target.tokenize(" Once upon a time", add_special=False), [])
+    _answer(eng, a, "none")
+    assert eng.prompt_cache.store.has(PS.state_key(eng.target), a[:512])
 
 
 def test_only_a_cold_prefix_is_kept(eng, cache):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from typing import Annotated, Optional
@@ -15,6 +16,7 @@ from localspec.cli.options import (CtxOpt, DraftGpuOpt, DraftOpt, ExactnessOpt, 
                                     use_template)
 from localspec.cli.render import Status, result_json, short_summary, summary_line
 from localspec.errors import UsageError
+from localspec.seq import common_prefix
 
 EPILOG = (
     "Examples:\n\n"
@@ -96,11 +98,16 @@ def run(
             if raw and note == engine.template_warning:
                 continue  # a raw prompt uses no template
             status.info(f"warning: {note}")
-        if raw:
-            tokens = engine.raw_prompt(text)
-        else:
-            msgs = ([{"role": "system", "content": s["system"]}] if s["system"] else []) + [{"role": "user", "content": text}]
-            tokens = engine.chat_prompt(msgs)
+        def render(text: str) -> list[int]:
+            if raw:
+                return engine.raw_prompt(text)
+            system = [{"role": "system", "content": s["system"]}] if s["system"] else []
+            return engine.chat_prompt(system + [{"role": "user", "content": text}])
+
+        tokens = render(text)
+        if len(parts) == 2:  # piped text and a question: the next question about the same text shares the text's state
+            gen_cfg = dataclasses.replace(gen_cfg, shared_upto=min(
+                common_prefix(tokens, render(piped + "\n\n" + other)) for other in ("0", "1")))
         stream = not (no_stream or as_json)
         out = sys.stdout
         resp = engine.respond(tokens, gen_cfg)  # its text so far is kept when interrupted

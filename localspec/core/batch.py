@@ -252,7 +252,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
             engine.restore_draft_state(prompt)  # the prompt cache's state of the draft model, where it has one
         target.cancel_event = run.cancel  # a long prompt stops between chunks when the caller gives up
         try:
-            logits, cached, source = engine.sync_prompt(prompt)
+            logits, cached, source = engine.sync_prompt(prompt, shared_upto=run.cfg.shared_upto)
         except DecodeCancelled:
             stats.cached_prompt_tokens = common_prefix(target.tokens, prompt)
             stats.prompt_s = time.perf_counter() - run.t0
@@ -416,7 +416,7 @@ class BatchEngine(PassShapes, SlotStates, BatchExactness):
         self._settle(run)
         run.close()
         if self.alone and "draft" in run.policy.drafters:  # the draft model's prompt state, once it caught up
-            self.engine.save_draft_state(run.context[:run.stats.prompt_tokens])
+            self.engine.save_draft_state(run.context[:run.stats.prompt_tokens], shared_upto=run.cfg.shared_upto)
 
     def _settle(self, run: _Run) -> None:
         """The request leaves its slot: its final figures and the rollbacks it caused (also after an interrupt or

@@ -35,6 +35,9 @@ class GenConfig:
     # alternatives, from the target row that emitted it (log-softmax of the raw row after bias and grammar)
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None  # token -> added to the target's logits in every row; <= -100 bans
+    # where the part of the prompt that later prompts share ends (`run`'s piped text): the prefill splits there and
+    # the prompt cache keeps the state there (core/prompt_cache.py); 0: none
+    shared_upto: int = 0
 
     def __post_init__(self) -> None:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

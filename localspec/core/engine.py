@@ -18,6 +18,7 @@ from localspec.core.generation import Finished, Piece, speculates  # noqa: F401 
 from localspec.core.batch import BatchEngine
 from localspec.core.drafting import drafters_for
 from localspec.core.policy import Policy, build_policy, env_allows_inexact
+from localspec.core.prompt_cache import shared_mark, usable
 from localspec.core.response import Response
 from localspec.core.stats import Stats
 from localspec.core.text import TextAssembler  # noqa: F401 - part of the engine API
@@ -211,15 +212,22 @@ class Engine:
                 self.draft.sync(prompt)
         return decoded
 
-    def sync_prompt(self, prompt: Sequence[int], copy: bool = True):
+    def sync_prompt(self, prompt: Sequence[int], copy: bool = True, shared_upto: int = 0):
         """The prompt into the target's cache; (the last row's logits, the prompt tokens not decoded now, where they
         came from: "disk" for a prefix state restored from the prompt cache, "memory" for the cache this process
         held, "" for none). With a prompt cache (core/prompt_cache.py) the longest stored prefix state is restored
-        first, and the prefill stops at the prompt's save point to keep that prefix's state."""
+        first, and the prefill stops at the prompt's save point to keep that prefix's state. `shared_upto`: where the
+        part of the prompt later prompts share ends (GenConfig.shared_upto): the prefill splits there, cache or not."""
         target, pc = self.target, self.prompt_cache
-        restored = pc.restore(target, prompt) if pc is not None else 0
+        mark = shared_mark(shared_upto, len(prompt)) if usable(target) else 0
+        if pc is not None:
+            pc.keep_leaving(target, prompt)
+        restored = pc.restore(target, prompt, mark) if pc is not None else 0
         have = min(common_prefix(target.tokens, prompt), len(prompt) - 1)
-        split = pc.save_prefix(target, prompt) if pc is not None else 0
+        split = pc.save_prefix(target, prompt, mark) if pc is not None else 0
+        if mark and not split and have < mark:
+            target.fill(prompt[:mark])  # the split a cold prefill of this prompt makes, with or without a store
+            split = mark
         logits = target.sync(prompt, copy=copy)
         cached = have if split else target.reused
         if restored and cached:  # from the disk, or from a server's store's memory (ServerStates.last_source)
@@ -234,12 +242,12 @@ class Engine:
         if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
             self.prompt_cache.restore_draft(self.draft, prompt)
 
-    def save_draft_state(self, prompt: Sequence[int], fill: bool = False) -> None:
+    def save_draft_state(self, prompt: Sequence[int], fill: bool = False, shared_upto: int = 0) -> None:
         """After a request: the draft model's state at the prompt's save point, where the store has none and the
         draft's cache has caught up with that prefix (its cache is cut back to it: a chat's next turn decodes the rest
         again, once per new prefix); `fill`: filled to there first (a reopened chat's prefill, PromptCache.save_draft)."""
         if self.prompt_cache is not None and self.draft is not None and self.draft_kind == "same-vocab":
-            self.prompt_cache.save_draft(self.draft, prompt, fill=fill)
+            self.prompt_cache.save_draft(self.draft, prompt, fill=fill, mark=shared_mark(shared_upto, len(prompt)))
 
     def raw_prompt(self, text: str) -> list[int]:
         return self.target.tokenize(text, add_special=True, parse_special=False)

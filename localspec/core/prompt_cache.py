@@ -11,6 +11,14 @@ then decoded in exactly the chunks a cold prefill of it makes, and the cache hol
 leaves. The prefill is split at the last multiple of n_batch before the prompt's last token (`save_point`): the cache
 filled to there, its state saved, then the rest decoded, the pass a cold prefill ends with.
 
+A request may name where the part of its prompt that later prompts share ends (GenConfig.shared_upto: `run`'s
+piped text, which the next question about the same file repeats): its prefill then also splits there (`shared_mark`,
+cut to a length the store keeps), with or without a store, so its cold prefill is whole chunks from 0 to the last
+multiple of n_batch before the mark, one chunk to the mark, then chunks from the mark. The state at the mark is kept,
+and restored only by a prompt with the same mark (a state at a length that is not a multiple of n_batch is of that
+split only); states at multiples of n_batch up to the mark stay shared with every prompt. The next question about the
+file then decodes only itself, not up to n_batch - 1 tokens of the file's end again.
+
 Not kept: a cache that holds an answer (decoded a token or a verify at a time, not as a cold prefill would), and the
 states of recurrent and hybrid models (rollback kind other than "kv": their state is that of the whole text).
 A draft model of the target's vocabulary keeps its state beside the target's under its own key: its cache changes
@@ -39,10 +47,20 @@ def usable(model) -> bool:
     return model is not None and model.rollback_kind == "kv" and hasattr(model, "state_bytes")
 
 
-def save_point(model, n_prompt: int) -> int:
-    """Where a prompt of n_prompt tokens saves its prefix's state: the last multiple of the model's n_batch before the
-    prompt's last token (which is decoded for its logits), where the store keeps one (block-aligned, long enough);
-    0 where there is none."""
+def shared_mark(upto: int, n_prompt: int) -> int:
+    """The split a request asks for (GenConfig.shared_upto: where the part of its prompt that later prompts share ends,
+    e.g. the piped text of `run`), as the prefill makes it: cut to a length the store keeps (block-aligned, long
+    enough), before the prompt's last token; 0 for none."""
+    a = aligned(min(int(upto), int(n_prompt) - 1)) if upto and upto > 0 else 0
+    return a
+
+
+def save_point(model, n_prompt: int, mark: int = 0) -> int:
+    """Where a prompt of n_prompt tokens saves its prefix's state: its mark (shared_mark) where it has one, else the
+    last multiple of the model's n_batch before the prompt's last token (which is decoded for its logits), where the
+    store keeps one (block-aligned, long enough); 0 where there is none."""
+    if mark:
+        return mark
     nb = int(model.n_batch)
     a = (int(n_prompt) - 1) // nb * nb if nb > 0 else 0
     return a if a > 0 and aligned(a) == a else 0
@@ -138,10 +156,11 @@ class PromptCache:
         self.save_s = 0.0
         self.saved_bytes = 0
 
-    def restore(self, model, prompt: Sequence[int]) -> int:
+    def restore(self, model, prompt: Sequence[int], mark: int = 0) -> int:
         """Restore the longest stored prefix of `prompt` (never all of it: its last token is decoded for logits) that
-        is longer than what the model's cache already shares with it. Returns the tokens restored (0: none, the cache
-        as it was)."""
+        is longer than what the model's cache already shares with it, at a length its cold prefill stops at: a
+        multiple of n_batch, and with a mark (shared_mark) only up to the mark, the mark included. Returns the tokens
+        restored (0: none, the cache as it was)."""
         if not usable(model) or len(prompt) < 2:
             return 0
         prompt = [int(t) for t in prompt]
@@ -149,39 +168,75 @@ class PromptCache:
         t0 = time.perf_counter()
         try:
             key = state_key(model)
-            hit = self.store.longest(key, prompt[:-1], longer_than=have)
-            if hit is None:
-                return 0
-            n, data = hit
-            # a state of another n_batch is under another key: never here, but it would not be a cold prefix
-            if n % int(model.n_batch) or not model.restore_state(prompt[:n], data, cold=True):
-                return 0
-            return n
+            nb = int(model.n_batch)
+            top = mark if mark else len(prompt) - 1
+            # the lengths a cold prefill of this prompt stops at, longest first (a state at another prompt's mark is
+            # of another split, never restored here); looked up by name before any state is read
+            ends = sorted({mark, *range(top // nb * nb, 0, -nb)} - {0}, reverse=True)
+            for n in ends:
+                if n <= have:
+                    break
+                if not has(self.store, key, prompt[:n]):
+                    continue
+                hit = self.store.longest(key, prompt[:n], longer_than=n - 1)
+                if hit is not None and model.restore_state(prompt[:n], hit[1], cold=n % nb == 0):
+                    return n
+            return 0
         except OSError:
             return 0
         finally:
             self.restore_s += time.perf_counter() - t0
 
-    def save_prefix(self, model, prompt: Sequence[int]) -> int:
+    def keep_leaving(self, model, prompt: Sequence[int]) -> int:
+        """Before `prompt` replaces what the model's cache holds: the state of the cache's cold prefix (whole n_batch
+        chunks from 0, Model.cold_upto) where the new prompt does not keep it and the store has none, so a prefill
+        cut short (a client that gave up and will retry) or a prompt pushed out by another request's is restored
+        later instead of decoded again. Returns the tokens kept (0: none)."""
+        if not usable(model):
+            return 0
+        c = int(model.cold_upto)
+        if c <= 0 or aligned(c) != c or c % int(model.n_batch) or common_prefix(model.tokens, prompt) >= c:
+            return 0
+        key, tokens = state_key(model), [int(t) for t in model.tokens[:c]]
+        if has(self.store, key, tokens):
+            return 0
+        t0 = time.perf_counter()
+        if len(model.tokens) > c:
+            model.truncate(c)  # the new prompt shares less than c with it: this part goes anyway
+        data = model.state_bytes()
+        kept = bool(data) and self.store.put(key, tokens, data, label=model.name)
+        if kept:
+            self.saved_bytes += len(data)
+        self.save_s += time.perf_counter() - t0
+        return c if kept else 0
+
+    def save_prefix(self, model, prompt: Sequence[int], mark: int = 0) -> int:
         """Fill the model's cache to the prompt's save point and save the state there, where that prefix is held as
         a cold prefill computes it and the store has no state of it yet. Returns the save point when the cache was
         filled to it (the caller decodes the rest), else 0 (nothing decoded)."""
         if not usable(model):
             return 0
         prompt = [int(t) for t in prompt]
-        a = save_point(model, len(prompt))
+        a = save_point(model, len(prompt), mark)
         if not a:
             return 0
+        nb = int(model.n_batch)
         have = min(common_prefix(model.tokens, prompt), len(prompt) - 1)
-        # the cache must reach `a` as whole chunks from 0: what it holds of the prompt is cold and ends at a chunk
-        # boundary at or before `a` (past `a`, the state would cover more than the prefix)
-        if have > a or have % int(model.n_batch) or model.cold_upto < have:
+        if have > a:
+            return 0
+        # the cache must reach `a` as whole chunks from 0 (then, to a mark, one chunk from the last multiple of
+        # n_batch): what it holds of the prompt is kept to its cold part's last chunk boundary and the rest decoded
+        # again, where that is little beside what the prompt decodes anyway (a short start another prompt shared)
+        h = min(have, int(model.cold_upto)) // nb * nb
+        if have - h > (a - have) // 8:
             return 0
         key = state_key(model)
         if has(self.store, key, prompt[:a]):
             return 0
+        if len(model.tokens) > h:
+            model.truncate(h)
         model.fill(prompt[:a])
-        if model.cold_upto != a or len(model.tokens) != a:
+        if model.cold_upto != a // nb * nb or len(model.tokens) != a:
             return a  # filled, but not as a cold prefill (cannot happen from the checks above): nothing saved
         t0 = time.perf_counter()
         data = model.state_bytes()
@@ -190,7 +245,7 @@ class PromptCache:
         self.save_s += time.perf_counter() - t0
         return a
 
-    def save_draft(self, model, prompt: Sequence[int], fill: bool = False) -> None:
+    def save_draft(self, model, prompt: Sequence[int], fill: bool = False, mark: int = 0) -> None:
         """The draft model's state at the prompt's save point, where the store has none: its cache cut back to there
         when it holds more of the prompt (after a request), or filled to there where `fill` (a reopened chat's
         prefill: the catch-up its first proposal would make, made now). A draft's cache need not be a cold prefill's
@@ -198,7 +253,7 @@ class PromptCache:
         if not usable(model):
             return
         prompt = [int(t) for t in prompt]
-        a = save_point(model, len(prompt))
+        a = save_point(model, len(prompt), mark)
         if not a:
             return
         common = common_prefix(model.tokens, prompt)
