@@ -373,6 +373,33 @@ WRITTEN = {
 }
 
 
+def answered_by_generate(monkeypatch) -> None:
+    """The server's scheduler answers each request with its engine's `generate` (looked up per request, so a test
+    may replace it), streamed as it yields: a test double's answers, failures and pauses reach the client as a real
+    generation's events would."""
+    from localspec.core.batch import BatchEngine
+    from localspec.core.response import Response
+
+    class Pulled(Response):
+        def __init__(self, events) -> None:
+            super().__init__()
+            self._events = events
+
+        def listen(self, fn):
+            super().listen(fn)
+            try:
+                for ev in self._events:
+                    self.push(ev)
+            except Exception as exc:  # the request's error, as the scheduler passes it on
+                self.push(exc)
+            return self
+
+    def submit(self, prompt_tokens, cfg=None, cancel=None):
+        return Pulled(self.engine.generate(prompt_tokens, cfg, cancel))
+
+    monkeypatch.setattr(BatchEngine, "submit", submit)
+
+
 class Scripted:
     """Replaces the served engine's generation with fixed answers, one per request, and keeps each prompt the chat
     template rendered."""
@@ -393,6 +420,7 @@ class Scripted:
         tmpl = Recording(template or CHATML, origin="the test template")
         monkeypatch.setattr(engine, "chat_template", lambda: tmpl)
         monkeypatch.setattr(engine, "generate", self.generate)
+        answered_by_generate(monkeypatch)
 
     def generate(self, tokens, cfg, cancel=None):
         from localspec.core.engine import Finished, Piece

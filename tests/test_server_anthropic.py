@@ -11,7 +11,7 @@ import json
 import pytest
 
 from conftest import REAL_MODELS
-from helpers import KEY, WRITTEN, Scripted, accepts, loaded_session, post, serving
+from helpers import KEY, WRITTEN, Scripted, accepts, answered_by_generate, loaded_session, post, serving
 
 anthropic = pytest.importorskip("anthropic")
 
@@ -384,6 +384,7 @@ def test_a_failed_generation_is_an_error_event(open_api, monkeypatch):
         yield  # pragma: no cover
 
     monkeypatch.setattr(open_api.session.engine, "generate", broken)
+    answered_by_generate(monkeypatch)
     evs = events(open_api, {"model": "x", "max_tokens": 5, "messages": USER})
     assert evs[0][0] == "message_start" and evs[-1] == ("error", {"type": "error", "error": {
         "type": "api_error", "message": "internal error: RuntimeError"}})
