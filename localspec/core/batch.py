@@ -14,7 +14,7 @@ A recurrent/hybrid target (or draft model) rolls each slot back on its own (llam
 slot's checkpoint and a replay); the replays of a step are decoded together after its verify, and each request's
 stats count its slot's restores and replayed tokens, as a batch of one's do.
 
-Rules, and why (docs/design.md, "Batching", has the measurements behind them):
+Rules, and why (docs/benchmarks.md, "Batching: the measurements behind its rules"):
 - a slot's controller is timed by its share of the step and prices a verify of b rows by what it adds to the
   whole step (`_price_rows`, core/batch_shape.py), so k per request follows from the cost of the batch;
 - a row's logits can depend on the other rows of its forward pass, so the probe (core/batch_exact.py) checks every

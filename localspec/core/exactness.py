@@ -2,7 +2,7 @@
 do the rows of bigger batches move?
 
 llama.cpp switches matmul kernels with the batch size (on CPUs that repack Q4_K weights, from 4 rows; on CUDA and
-Metal from 2 rows; docs/design.md, "Exactness", has the figures), so a verify batch can change greedy choices at
+Metal from 2 rows; docs/benchmarks.md, "Exactness: what llama.cpp's kernels do"), so a verify batch can change greedy choices at
 small margins. The probe measures, once per model file and build, the largest
 exact batch (bit exactness caps k below it) and, per batch size, the largest |logit difference| between a batched
 row and the one-token decode of the same position (the divergence audit in `localspec bench` compares a

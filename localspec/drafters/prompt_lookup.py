@@ -18,7 +18,7 @@ REACH_MAX = 12  # a match's reach is counted up to here (the top band)
 # a copy in progress, accepted more often. The middle priors sit below what the replay measures for their bands: a
 # short copy's first steps, judged on the measured figure, were drafted at a loss before its first miss was seen. A
 # copy that has run for 6 tokens is judged apart from 4-5-token matches: judged with them, the copies inside an answer
-# were declined after a few failed shorter matches (docs/design.md, "By the reach of its match", has the figures).
+# were declined after a few failed shorter matches (docs/benchmarks.md, "By the reach of its match").
 REACH_BANDS = ((0, 3, "2-3", 0.5), (4, 5, "4-5", 0.6), (6, 11, "6-11", 0.75), (12, REACH_MAX, "12+", 0.9))
 
 

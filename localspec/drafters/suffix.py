@@ -39,11 +39,11 @@ _LIVE = 1 << 40  # the recency rank of the request's own occurrences: newer than
 # reach -> the estimate that judges the proposal, and the acceptance it starts from until its shadows are judged. A
 # match that reaches 12 tokens back is a copy in progress (prompt_lookup.REACH_BANDS); shorter matches into earlier
 # requests often stand on shared boilerplate (the chat template, a code preamble), so they start lower than lookup's:
-# with lookup's priors the replay drafted them at a loss (docs/design.md, "By the reach of its match", has the figures).
+# with lookup's priors the replay drafted them at a loss (docs/benchmarks.md, "By the reach of its match").
 REACH_BANDS = ((0, 3, "2-3", 0.3), (4, 11, "4-11", 0.4), (12, DEPTH, "12+", 0.9))
 # a continuation of an earlier request whose match reaches this far back is a repeat of that text, offered beyond the
 # request's k (Offer.repeat): accepted whole far more often than a copy inside one request, it pays for a wider verify
-# where the copy does not (docs/design.md, "Repeats", has the figures)
+# where the copy does not (docs/benchmarks.md, "Repeats")
 REPEAT_REACH = 12
 
 

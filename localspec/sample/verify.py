@@ -79,7 +79,7 @@ def keyed_verify(draft_tokens: Sequence[int], p_of: Callable[[int], np.ndarray],
     exact (a fresh set of draws per position), and the same text whatever the drafter proposed and however many
     (the drafts only decide how many tokens one pass yields). Drafts sampled with the same draws (Draws.at) match
     wherever q is close to p; Leviathan's rule accepts slightly more of them (sum min(p, q) per token against the
-    coupling's chance; docs/design.md has the figures), so it stays the rule of unseeded requests. An all-zero row
+    coupling's chance; docs/benchmarks.md has the figures), so it stays the rule of unseeded requests. An all-zero row
     of p: NO_TOKEN."""
     i = 0
     while True:
