@@ -256,14 +256,14 @@ def require_exact_batching(res) -> None:
 def fresh_suffix_cache(tmp_path, monkeypatch):
     """Its own cache dir and config, and no suffix corpus left in the process from another test (before and after)."""
     from helpers import clean_env
-    from localspec.drafters import suffix as S
+    from localspec.drafters import suffix_corpus as CO
     from localspec.store import suffixcache as SC
 
     clean_env(monkeypatch, tmp_path / "cfg")
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
-    S._CORPORA.clear()
-    S._STATIC.clear()
+    CO._CORPORA.clear()
+    CO._STATIC.clear()
     SC._noticed.clear()
     yield
-    S._CORPORA.clear()
-    S._STATIC.clear()
+    CO._CORPORA.clear()
+    CO._STATIC.clear()

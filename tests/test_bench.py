@@ -104,12 +104,12 @@ def test_each_bench_run_drafts_as_a_lone_request_and_leaves_the_suffix_cache_alo
     """A bench run's suffix drafter sees its own request only: not the on-disk cache of earlier sessions, not the
     answer of another configuration or an earlier repeat of the same prompt; and bench writes no cache file."""
     from localspec.core.engine import GenConfig
-    from localspec.drafters import suffix as S
+    from localspec.drafters import suffix_corpus as CO
     from localspec.store import suffixcache as SC
 
     monkeypatch.setenv("LOCALSPEC_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("LOCALSPEC_CONFIG_DIR", str(tmp_path / "cfg"))
-    S._CORPORA.clear()
+    CO._CORPORA.clear()
     e = Engine.load(target_path, n_ctx=1024)
     try:
         p = {"id": "p1", "category": "code", "prompt": "Hello world, the x = y + 1"}
@@ -118,22 +118,22 @@ def test_each_bench_run_drafts_as_a_lone_request_and_leaves_the_suffix_cache_alo
         alone = {}
         monkeypatch.setenv("LOCALSPEC_SUFFIX_CACHE", "false")
         for c in configs:  # each configuration as a lone request on an empty cache
-            S._CORPORA.clear()
+            CO._CORPORA.clear()
             fin = e.complete(prompt, GenConfig(method="suffix", k=c.k, max_tokens=60, exactness="lossless"))
             alone[c.label] = fin.stats.accepted
         monkeypatch.delenv("LOCALSPEC_SUFFIX_CACHE")
-        S._CORPORA.clear()
+        CO._CORPORA.clear()
         # an earlier session's cache holds this very answer
         plain = e.complete(prompt, GenConfig(method="none", max_tokens=60))
         fp = SC.model_fingerprint(e.target)
-        assert SC.SuffixFile(fp).save([S.Doc("earlier", 1.0, prompt + plain.tokens)])
+        assert SC.SuffixFile(fp).save([CO.Doc("earlier", 1.0, prompt + plain.tokens)])
         before = SC.path_for(fp).read_bytes()
         res = B.run_bench(e, [p], configs, max_tokens=60, repeat=2, exactness="lossless")
-        assert all(scope == "" for _, scope in S._CORPORA)  # the runs' own corpora are gone with them
-        S._AT_EXIT.run()  # what a process ending now would save
+        assert all(scope == "" for _, scope in CO._CORPORA)  # the runs' own corpora are gone with them
+        CO._AT_EXIT.run()  # what a process ending now would save
     finally:
         e.close()
-        S._CORPORA.clear()
+        CO._CORPORA.clear()
     runs = [r for r in res if r.method == "suffix"]
     assert len(runs) == 4 and all(r.exact for r in runs)
     assert [r.accepted for r in runs] == [alone[r.config] for r in runs]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from helpers import cli, environ, one_error_line
-from localspec.drafters import suffix as S
+from localspec.drafters import suffix_corpus as CO
 from localspec.store import suffixcache as SC
 
 pytestmark = pytest.mark.usefixtures("fresh_suffix_cache")
@@ -27,7 +27,7 @@ NESTED = b"[" * 200_000 + b"]" * 200_000
 
 
 def doc(i, tokens):
-    return S.Doc(f"d{i}", float(i), tokens)
+    return CO.Doc(f"d{i}", float(i), tokens)
 
 
 def body(tokens, fp=FP, t=1.0):
@@ -101,12 +101,12 @@ def test_a_corpus_never_holds_an_id_past_its_models_vocabulary(target_path, caps
         toks = m.tokenize("the cat and the dog", add_special=False)
         SC.folder().mkdir(parents=True)
         SC.path_for(fp).write_text(body(toks + [m.n_vocab + 7] * 4 + toks, fp=fp))
-        corpus = S.corpus_for(m)
+        corpus = CO.corpus_for(m)
         assert corpus.docs == [] and all(t < m.n_vocab for t in corpus.index.toks)
         assert "damaged" in capsys.readouterr().err
-        S._CORPORA.clear()
+        CO._CORPORA.clear()
         SC.path_for(fp).write_text(body(toks + [m.n_vocab - 1] * 4 + toks, fp=fp))
-        assert [d.id for d in S.corpus_for(m).docs] == ["a"]
+        assert [d.id for d in CO.corpus_for(m).docs] == ["a"]
 
 
 def test_a_file_over_the_size_bound_is_not_read(capsys, monkeypatch):

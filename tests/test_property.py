@@ -226,7 +226,7 @@ def capped(engine, tmp_path_factory):
 @pytest.fixture
 def scope(capped):
     """A suffix scope of the test's own (nothing from other tests or the user's cache)."""
-    from localspec.drafters.suffix import private_scope, release_scope
+    from localspec.drafters.suffix_corpus import private_scope, release_scope
 
     saved, s = capped.suffix_scope, private_scope()
     capped.suffix_scope = s
@@ -237,7 +237,7 @@ def scope(capped):
 
 def warm_or_cold(engine, case: Case, scope: str, rng: np.random.Generator) -> None:
     """At random: the suffix corpus gets the case's histories; the target's and draft model's KV are cleared."""
-    from localspec.drafters.suffix import Doc, corpus_for
+    from localspec.drafters.suffix_corpus import Doc, corpus_for
 
     if rng.random() < 0.6:
         corpus = corpus_for(engine.target, scope)
@@ -326,7 +326,7 @@ def test_other_drafters_give_plain_decodings_answer(kind, heads_dir, target_path
     """The drafters of other pairs (a draft model of another vocabulary, each draft head), with the request's other
     drafters and the adversarial one under a random policy: the same property."""
     from localspec.core.engine import Engine
-    from localspec.drafters.suffix import private_scope, release_scope
+    from localspec.drafters.suffix_corpus import private_scope, release_scope
     from localspec.llama import heads as LH
 
     if kind in ("eagle3", "dflash", "dspark", "mtp"):
@@ -356,7 +356,7 @@ def test_auto_with_warm_repeats_keeps_bit(capped, scope):
     """The adaptive controller at bit with every request's answer already in the suffix cache (repeats, which it may
     draft past k elsewhere): no step past the bit cap, plain decoding's answer; at auto, it may leave bit, and says
     so; at lossless, the target's argmax."""
-    from localspec.drafters.suffix import Doc, corpus_for
+    from localspec.drafters.suffix_corpus import Doc, corpus_for
 
     engine = capped
     cases = cases_for(engine, 2)

@@ -47,7 +47,7 @@ def test_qwen_warm_suffix_cache_keeps_bit(tmp_path, monkeypatch):
     probe's cap, and the answer is plain decoding's. A verify wider than the cap wrote KV rows that one-token
     decoding would not, and the near-tie flipped."""
     from conftest import REAL_MODELS
-    from localspec.drafters.suffix import Doc, corpus_for, private_scope, release_scope
+    from localspec.drafters.suffix_corpus import Doc, corpus_for, private_scope, release_scope
 
     path = REAL_MODELS / "qwen2.5-coder-0.5b-instruct.gguf"
     if not path.is_file():

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from localspec.bench import replay as R
-from localspec.drafters.suffix import Doc
+from localspec.drafters.suffix_corpus import Doc
 from helpers import run_main
 
 TRACES = R.load(Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "qwen_coder_traces.json")
@@ -469,7 +469,7 @@ def test_the_replay_makes_the_choices_of_a_real_run_step_by_step(target_path, fr
     import time
 
     from localspec.core.engine import Engine, GenConfig
-    from localspec.drafters.suffix import private_scope
+    from localspec.drafters.suffix_corpus import private_scope
 
     curve = R.CURVES[curve_name]
     engine = Engine.load(target_path, n_ctx=1024)

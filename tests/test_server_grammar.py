@@ -68,7 +68,7 @@ def test_a_batch_slot_drafts_forced_tokens_only_where_a_verify_row_is_cheap(sess
     which the suffix drafter drafts whole, forced tokens and all."""
     from localspec.core.batch import BatchEngine
     from localspec.core.engine import GenConfig
-    from localspec.drafters.suffix import private_scope, release_scope
+    from localspec.drafters.suffix_corpus import private_scope, release_scope
     from localspec.server.grammar import constraint_for
 
     e = session.engine

@@ -17,6 +17,7 @@ import pytest
 from conftest import PROMPTS
 from helpers import assert_same_distribution, second_tokens
 from localspec.drafters import suffix as S
+from localspec.drafters import suffix_corpus as CO
 from localspec.drafters import suffix_index as SI
 from localspec.store import suffixcache as SC
 
@@ -42,7 +43,7 @@ def cfg(method="suffix", k=8, n=120, exactness="lossless", **kw):
 
 
 def doc(i, tokens, t=None):
-    return S.Doc(f"d{i}", float(i if t is None else t), list(tokens))
+    return CO.Doc(f"d{i}", float(i if t is None else t), list(tokens))
 
 
 # ------------------------------------------------------------------ the index and the proposal
@@ -69,7 +70,7 @@ def test_the_index_finds_every_earlier_occurrence_built_at_once_or_token_by_toke
 def test_the_proposal_follows_the_majority_and_stops_where_earlier_answers_split():
     p = [50, 51, 52, 53, 54, 55, 56, 57, 58]
     docs = [doc(0, p + [1, 2, 3, 4, 5]), doc(1, p + [1, 2, 3, 4, 5]), doc(2, p + [1, 2, 9, 9, 9])]
-    corpus = S.SuffixCorpus(10_000, docs)
+    corpus = CO.SuffixCorpus(10_000, docs)
     ctx = [7, 7] + p
     d = S.SuffixDrafter(corpus)
     d.begin(ctx)
@@ -78,7 +79,7 @@ def test_the_proposal_follows_the_majority_and_stops_where_earlier_answers_split
     strict.begin(ctx)
     assert strict.match(ctx, 8)[0] == [1, 2]  # the split itself is not proposed at a 0.7 threshold
     # three ways apart at the first token: no confident proposal at all
-    split = S.SuffixCorpus(10_000, [doc(i, p + [i + 1, 0]) for i in range(3)])
+    split = CO.SuffixCorpus(10_000, [doc(i, p + [i + 1, 0]) for i in range(3)])
     d3 = S.SuffixDrafter(split)
     d3.begin(ctx)
     assert d3.offer(ctx, 8) is None
@@ -86,7 +87,7 @@ def test_the_proposal_follows_the_majority_and_stops_where_earlier_answers_split
 
 def test_the_longest_match_decides_and_the_offer_says_how_far_it_reaches():
     a = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23]
-    corpus = S.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1]), doc(1, [99, 22, 23, 2, 2, 2]),
+    corpus = CO.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1]), doc(1, [99, 22, 23, 2, 2, 2]),
                                      doc(2, [98, 22, 23, 2, 2, 2])])
     d = S.SuffixDrafter(corpus)
     ctx = list(a)
@@ -109,7 +110,7 @@ def test_beside_lookup_a_short_match_into_earlier_requests_is_offered_where_they
     split = one + [doc(1, [3, 98, 12, 60, 61])]
 
     def offer(docs, beside):
-        d = S.SuffixDrafter(S.SuffixCorpus(10_000, docs), beside_lookup=beside)
+        d = S.SuffixDrafter(CO.SuffixCorpus(10_000, docs), beside_lookup=beside)
         d.begin(list(ctx))
         off = d.offer(list(ctx), 3)
         return (off.key, d.propose(list(ctx), 3, None, None).tokens) if off else None
@@ -124,14 +125,14 @@ def test_only_a_long_match_into_an_earlier_request_is_offered_as_a_repeat():
     """Offer.repeat (drafted beyond k by auto): a continuation of an earlier request reaching 12+ tokens back; not a
     shorter one, and not the request's own text however far back it agrees."""
     a = list(range(10, 24))
-    d = S.SuffixDrafter(S.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1])]))
+    d = S.SuffixDrafter(CO.SuffixCorpus(10_000, [doc(0, a + [1, 1, 1])]))
     d.begin(a)
     assert d.offer(a, 3).repeat
     short = [5] + a[-4:]
     d.begin(short)
     assert d.offer(short, 3).key == "suffix@4-11" and not d.offer(short, 3).repeat
     own = a + [1, 1, 1] + a  # the request repeats itself: nothing earlier to match
-    alone = S.SuffixDrafter(S.SuffixCorpus(10_000, []))
+    alone = S.SuffixDrafter(CO.SuffixCorpus(10_000, []))
     alone.begin(own)
     off = alone.offer(own, 3)
     assert off is not None and off.key == "suffix@12+" and not off.repeat
@@ -139,8 +140,8 @@ def test_only_a_long_match_into_an_earlier_request_is_offered_as_a_repeat():
 
 def test_the_static_corpus_drafts_only_where_this_request_and_earlier_ones_match_nothing():
     p = [50, 51, 52, 53, 54, 55, 56, 57, 58]
-    static = S.flat_index([doc(0, [7, 7] + p + [9, 9, 9]), doc(1, [60, 61, 62, 5, 5])])
-    corpus = S.SuffixCorpus(10_000, [doc(2, [57, 58, 1, 2, 3])], static=static)
+    static = CO.flat_index([doc(0, [7, 7] + p + [9, 9, 9]), doc(1, [60, 61, 62, 5, 5])])
+    corpus = CO.SuffixCorpus(10_000, [doc(2, [57, 58, 1, 2, 3])], static=static)
     d = S.SuffixDrafter(corpus)
     ctx = list(p)
     d.begin(ctx)
@@ -152,11 +153,11 @@ def test_the_static_corpus_drafts_only_where_this_request_and_earlier_ones_match
     ctx3 = [60, 61, 62, 8, 60, 61, 62]
     d.begin(ctx3)
     assert d.match(ctx3, 3)[0] == [8, 60, 61]  # the request's own text comes first too
-    assert S.SuffixDrafter(S.SuffixCorpus(10_000)).match(ctx2, 3) == ([], 0)
+    assert S.SuffixDrafter(CO.SuffixCorpus(10_000)).match(ctx2, 3) == ([], 0)
 
 
 def test_a_request_drafts_from_itself_and_joins_the_corpus_when_the_next_begins():
-    corpus = S.SuffixCorpus(10_000)
+    corpus = CO.SuffixCorpus(10_000)
     d = S.SuffixDrafter(corpus)
     ctx = [1, 2, 3, 4, 5, 6, 1, 2, 3]
     d.begin(ctx)
@@ -176,7 +177,7 @@ def test_a_request_drafts_from_itself_and_joins_the_corpus_when_the_next_begins(
 
 
 def test_a_continued_chat_stays_one_document():
-    corpus = S.SuffixCorpus(10_000)
+    corpus = CO.SuffixCorpus(10_000)
     d = S.SuffixDrafter(corpus)
     d.begin([1, 2, 3])
     d.begin([1, 2, 3, 4, 5])
@@ -186,7 +187,7 @@ def test_a_continued_chat_stays_one_document():
 
 
 def test_the_corpus_keeps_the_newest_requests_within_its_bound():
-    corpus = S.SuffixCorpus(100)
+    corpus = CO.SuffixCorpus(100)
     for i in range(6):
         corpus.commit(doc(i, [1000 + i] * 2 + list(range(i * 30, i * 30 + 28))))
     assert corpus.total <= 100
@@ -237,7 +238,7 @@ def test_a_damaged_file_is_rebuilt_with_one_notice(capsys):
 def test_a_cache_that_cannot_be_written_costs_one_notice_and_keeps_its_documents_for_later(capsys):
     f = SC.SuffixFile("fp1", "", 10_000)
     f.path.mkdir(parents=True)  # something that is not a file where the cache goes
-    corpus = S.SuffixCorpus(10_000, store=f)
+    corpus = CO.SuffixCorpus(10_000, store=f)
     corpus.commit(doc(0, [1, 2, 3]))
     corpus.save()
     corpus.save()
@@ -259,7 +260,7 @@ def test_a_cache_of_another_vocabulary_is_never_read():
 def test_two_processes_saving_at_once_keep_each_others_documents(tmp_path):
     script = (
         "import sys\n"
-        "from localspec.drafters.suffix import Doc\n"
+        "from localspec.drafters.suffix_corpus import Doc\n"
         "from localspec.store.suffixcache import SuffixFile\n"
         "w = sys.argv[1]\n"
         "f = SuffixFile('fp1', '', 100000)\n"
@@ -289,15 +290,15 @@ def test_the_settings_turn_persistence_off_and_bound_the_size(monkeypatch):
 def test_temperature_0_is_plain_decoding_with_an_empty_a_warm_and_a_foreign_cache(eng):
     plain = {p: eng.complete(eng.raw_prompt(p), cfg("none")).tokens for p in PROMPTS}
     for method in ("suffix", "auto"):
-        S._CORPORA.clear()
+        CO._CORPORA.clear()
         for p in PROMPTS:  # empty for the first prompt, then warm with the earlier answers
             assert eng.complete(eng.raw_prompt(p), cfg(method, exactness="bit")).tokens == plain[p], (method, p)
         for p in PROMPTS:  # warm with this very answer
             assert eng.complete(eng.raw_prompt(p), cfg(method, exactness="bit")).tokens == plain[p], (method, p)
     # foreign: the cache holds answers to these prompts the model never gives (another model's, say), which agree
     # with its own for the first token
-    S._CORPORA.clear()
-    corpus = S.corpus_for(eng.target)
+    CO._CORPORA.clear()
+    corpus = CO.corpus_for(eng.target)
     r = random.Random(3)
     for i, p in enumerate(PROMPTS):
         corpus.commit(doc(i, eng.raw_prompt(p) + plain[p][:1] + [r.randrange(eng.target.n_vocab) for _ in range(120)]))
@@ -315,7 +316,7 @@ def test_sampled_decoding_with_the_suffix_drafter_keeps_the_target_distribution(
     n = 1000
     a, _, _ = second_tokens(eng, prompt, "none", 0, n, exactness="auto")
     y = max(a, key=a.get)
-    corpus = S.corpus_for(eng.target)
+    corpus = CO.corpus_for(eng.target)
     for t in range(eng.target.n_vocab):
         corpus.commit(doc(t, prompt + [t, y]))
     b, drafted, accepted = second_tokens(eng, prompt, "suffix", 10**6, n, exactness="auto")
@@ -532,8 +533,8 @@ def test_cache_build_makes_a_static_cache_a_request_drafts_from(eng, tmp_path, o
     monkeypatch.setenv("LOCALSPEC_SUFFIX_CACHE", "false")  # each request below drafts from no earlier one
 
     def fresh(method="suffix"):  # a request of a new process: no corpus, the static cache read again
-        S._CORPORA.clear()
-        S._STATIC.clear()
+        CO._CORPORA.clear()
+        CO._STATIC.clear()
         return eng.complete(prompt, cfg(method))
 
     prompt = eng.raw_prompt(PROMPTS[2])

@@ -21,7 +21,7 @@ from localspec.bench.simulate import T1, replay, step_cost
 from localspec.core.policy import repeat_k
 from localspec.drafters.base import Drafter
 from localspec.drafters.ngram_cache import count_next
-from localspec.drafters.suffix import Doc
+from localspec.drafters.suffix_corpus import Doc
 from localspec.seq import common_prefix
 
 

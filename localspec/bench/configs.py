@@ -20,7 +20,8 @@ from localspec.defaults import SUFFIX_CACHE_TOKENS
 from localspec.drafters.base import Drafter
 from localspec.drafters.ngram_cache import NgramCacheDrafter, draft_next
 from localspec.drafters.prompt_lookup import PromptLookupDrafter
-from localspec.drafters.suffix import Doc, SuffixCorpus, SuffixDrafter
+from localspec.drafters.suffix_corpus import Doc, SuffixCorpus
+from localspec.drafters.suffix import SuffixDrafter
 
 
 class NativeLookupModel(NgramCacheDrafter):

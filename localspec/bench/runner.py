@@ -242,7 +242,7 @@ def lone_request(engine: Engine):
     """The engine's suffix drafter drafts from this request alone: a private scope, never read from or saved to the
     cache dir. Each bench run is measured as a first request would be, not drafted from an earlier session's, an
     earlier configuration's or an earlier repeat's answer to the same prompt."""
-    from localspec.drafters.suffix import private_scope, release_scope
+    from localspec.drafters.suffix_corpus import private_scope, release_scope
 
     saved, scope = engine.suffix_scope, private_scope()
     engine.suffix_scope = scope

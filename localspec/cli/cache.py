@@ -235,7 +235,7 @@ def cache_build(
         raise UsageError(f"cannot read folder {folder}: {getattr(exc, 'strerror', None) or exc}") from None
     if not found:
         raise UsageError(f"no text files in {folder}" + (f" match {', '.join(patterns)}" if globs else ""))
-    from localspec.drafters.suffix import Doc
+    from localspec.drafters.suffix_corpus import Doc
     from localspec.llama.model import Model
     from localspec.printable import printable
     from localspec.session import Session

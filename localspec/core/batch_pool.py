@@ -29,7 +29,8 @@ class SlotPool:
     def suffix_drafter(self):
         """The slot's suffix drafter. The requests finished in the other free slots join the shared corpus first, so
         this one drafts from them."""
-        from localspec.drafters.suffix import SuffixDrafter, corpus_for
+        from localspec.drafters.suffix_corpus import corpus_for
+        from localspec.drafters.suffix import SuffixDrafter
 
         b, seq = self.batch, self.seq
         corpus = corpus_for(b.target, b.engine.suffix_scope)

@@ -276,7 +276,8 @@ class Engine:
 
     def suffix_drafter(self) -> Drafter:
         """The suffix drafter over this process's corpus of the engine's scope (drafters/suffix.py)."""
-        from localspec.drafters.suffix import SuffixDrafter, corpus_for
+        from localspec.drafters.suffix_corpus import corpus_for
+        from localspec.drafters.suffix import SuffixDrafter
 
         corpus = corpus_for(self.target, self.suffix_scope)
         if self._suffix is None or self._suffix.corpus is not corpus:
