@@ -51,8 +51,7 @@ def shared_mark(upto: int, n_prompt: int) -> int:
     """The split a request asks for (GenConfig.shared_upto: where the part of its prompt that later prompts share ends,
     e.g. the piped text of `run`), as the prefill makes it: cut to a length the store keeps (block-aligned, long
     enough), before the prompt's last token; 0 for none."""
-    a = aligned(min(int(upto), int(n_prompt) - 1)) if upto and upto > 0 else 0
-    return a
+    return aligned(min(int(upto), int(n_prompt) - 1)) if upto and upto > 0 else 0
 
 
 def save_point(model, n_prompt: int, mark: int = 0) -> int:
@@ -187,6 +186,16 @@ class PromptCache:
         finally:
             self.restore_s += time.perf_counter() - t0
 
+    def _put(self, model, key: str, tokens: Sequence[int]) -> bool:
+        """The state of what the model's cache holds (exactly `tokens`) into the store; whether it was kept."""
+        t0 = time.perf_counter()
+        data = model.state_bytes()
+        kept = bool(data) and self.store.put(key, tokens, data, label=model.name)
+        if kept:
+            self.saved_bytes += len(data)
+        self.save_s += time.perf_counter() - t0
+        return kept
+
     def keep_leaving(self, model, prompt: Sequence[int]) -> int:
         """Before `prompt` replaces what the model's cache holds: the state of the cache's cold prefix (whole n_batch
         chunks from 0, Model.cold_upto) where the new prompt does not keep it and the store has none, so a prefill
@@ -200,15 +209,9 @@ class PromptCache:
         key, tokens = state_key(model), [int(t) for t in model.tokens[:c]]
         if has(self.store, key, tokens):
             return 0
-        t0 = time.perf_counter()
         if len(model.tokens) > c:
             model.truncate(c)  # the new prompt shares less than c with it: this part goes anyway
-        data = model.state_bytes()
-        kept = bool(data) and self.store.put(key, tokens, data, label=model.name)
-        if kept:
-            self.saved_bytes += len(data)
-        self.save_s += time.perf_counter() - t0
-        return c if kept else 0
+        return c if self._put(model, key, tokens) else 0
 
     def save_prefix(self, model, prompt: Sequence[int], mark: int = 0) -> int:
         """Fill the model's cache to the prompt's save point and save the state there, where that prefix is held as
@@ -238,11 +241,7 @@ class PromptCache:
         model.fill(prompt[:a])
         if model.cold_upto != a // nb * nb or len(model.tokens) != a:
             return a  # filled, but not as a cold prefill (cannot happen from the checks above): nothing saved
-        t0 = time.perf_counter()
-        data = model.state_bytes()
-        if data and self.store.put(key, prompt[:a], data, label=model.name):
-            self.saved_bytes += len(data)
-        self.save_s += time.perf_counter() - t0
+        self._put(model, key, prompt[:a])
         return a
 
     def save_draft(self, model, prompt: Sequence[int], fill: bool = False, mark: int = 0) -> None:
@@ -266,11 +265,7 @@ class PromptCache:
             model.truncate(a)
         else:
             model.fill(prompt[:a])
-        t0 = time.perf_counter()
-        data = model.state_bytes()
-        if data and self.store.put(key, prompt[:a], data, label=model.name):
-            self.saved_bytes += len(data)
-        self.save_s += time.perf_counter() - t0
+        self._put(model, key, prompt[:a])
 
     def restore_draft(self, model, prompt: Sequence[int]) -> int:
         """The draft model's longest stored prefix of the prompt, where longer than what its cache shares with it."""

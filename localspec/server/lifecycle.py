@@ -57,6 +57,19 @@ def check_ranges(req: Common) -> None:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
 
 
+async def _or_cancel(jobs, awaitable):
+    """What `awaitable` gives for the jobs' events; a client that left: a 499 response; any other error cancels every
+    job (none goes on decoding for nobody) and is raised."""
+    try:
+        return await awaitable
+    except ClientGone:
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+    except BaseException:
+        for job in jobs:
+            job.cancel.set()
+        raise
+
+
 class Generations:
     """What the routes share: the session's settings resolved once, the served name, the worker."""
 
@@ -170,29 +183,22 @@ class Generations:
             return StreamingResponse(stream(jobs[0], None, cfg, cid, now), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
                                      background=BackgroundTask(jobs[0].cancel.set))
-        try:
-            firsts = [await next_event(request, job) for job in jobs]
-        except ClientGone:
-            return JSONResponse(error_body("client disconnected"), status_code=499)
-        except BaseException:
-            for job in jobs:
-                job.cancel.set()
-            raise
+        async def first_events():
+            return [await next_event(request, job) for job in jobs]
+
+        firsts = await _or_cancel(jobs, first_events())
+        if isinstance(firsts, JSONResponse):
+            return firsts
         for first in firsts:
             if isinstance(first, APIError):
                 for job in jobs:
                     job.cancel.set()
                 return first.response()
         if not req.stream:
-            try:
-                fins = await asyncio.gather(*[self._whole(request, job, first, lp)
-                                              for job, first, lp in zip(jobs, firsts, lps)])
-            except ClientGone:
-                return JSONResponse(error_body("client disconnected"), status_code=499)
-            except BaseException:
-                for job in jobs:
-                    job.cancel.set()
-                raise
+            fins = await _or_cancel(jobs, asyncio.gather(*[self._whole(request, job, first, lp)
+                                                          for job, first, lp in zip(jobs, firsts, lps)]))
+            if isinstance(fins, JSONResponse):
+                return fins
             for fin in fins:
                 if isinstance(fin, APIError):
                     return fin.response()
